@@ -1,0 +1,58 @@
+"""Our own server flags: one frozen dataclass, rendered as ``--kvshare-*`` CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from sglang_kvshare.methods import method_names
+
+ENV_VAR = "SGLANG_KVSHARE_CONFIG"
+
+
+def _flag(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class KVShareArgs:
+    method: str = _flag(
+        "fullshared",
+        "default sharing method for requests whose annotation names none",
+        choices=method_names,
+    )
+    tau: float = _flag(0.3, "entropy gate threshold of the correction methods (higher: more reuse)")
+    rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
+    num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
+    recompute_ratio: float = _flag(
+        -1.0, "recompute budget of the selective recomputation methods (-1: the papers' default)"
+    )
+    anchor_budget_mb: float = _flag(256.0, "byte budget of all anchor pools together, in MiB")
+    max_workflows: int = _flag(
+        4096, "workflows whose source records are remembered (oldest forgotten first)"
+    )
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "KVShareArgs":
+        raw = os.environ.get(ENV_VAR)
+        return cls(**json.loads(raw)) if raw else cls()
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("kvshare", "cross-agent KV cache sharing")
+        for f in dataclasses.fields(cls):
+            kw = {"default": f.default, "type": type(f.default), "help": f.metadata["help"]}
+            choices = f.metadata.get("choices")
+            if choices is not None:
+                kw["choices"] = choices()
+            group.add_argument("--kvshare-" + f.name.replace("_", "-"), dest="kvshare_" + f.name, **kw)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "KVShareArgs":
+        return cls(**{f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(cls)})

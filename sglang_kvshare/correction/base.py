@@ -1,0 +1,141 @@
+"""The contract between cross-agent KV correction methods and the integration layer.
+
+All caches here are in CANONICAL coordinates: a segment's keys are de-rotated so the segment
+starts at position 0 (the integration layer moves them to and from real positions with
+``sglang_kvshare.rope.shift_keys``); the algorithms never see absolute positions.
+
+Call sequence for one shared segment (slot) on the workflow edge source_agent -> target_agent:
+1. ``correct(...)``: if ``accepted``, ``result.kv`` is the target agent's cache of the segment
+   (the source cache for the next edge when ``chained``). Accepted results are never stored.
+2. Otherwise the caller prefills the segment densely for the target agent and calls
+   ``observe(...)`` with that exact cache, which may update the method's correction state.
+``needs_reference``: the caller must also supply a context-free reference cache of the segment
+(the segment prefilled with no preceding context), a prefill the caller has to count.
+
+Correctors are not thread-safe: the caller serialises calls (one pool per process).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SegmentKV:
+    """One segment's cache in canonical coordinates.
+
+    k, v: [n_layers, L, D] with D = kv_heads * head_dim, same dtype and device. Correctors never
+    mutate the tensors they are given and never return views of them.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.k.dim() != 3 or self.k.shape != self.v.shape:
+            raise ValueError(
+                f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must both be [n_layers, L, D]"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+@dataclass(frozen=True)
+class CorrectionResult:
+    """Outcome of ``Corrector.correct``.
+
+    accepted: the caller may use ``kv`` instead of prefilling the segment.
+    kv: when accepted, the full corrected cache (same length, dtype and device as the cache it
+        corrects, canonical coordinates); rows ``corrected_len:`` are copied unchanged.
+    entropy: the normalised gate entropy in [0, 1] when a gate ran, else None.
+    num_anchors: anchors that took part in the gate (0 when none did).
+    corrected_len: leading rows to which a correction was applied.
+    reason: a short machine-readable word: "accepted", "few_anchors", "entropy", "no_relation", ...
+    """
+
+    accepted: bool
+    kv: Optional[SegmentKV]
+    entropy: Optional[float]
+    num_anchors: int
+    corrected_len: int
+    reason: str
+
+    @staticmethod
+    def reject(reason: str, entropy: Optional[float] = None, num_anchors: int = 0) -> "CorrectionResult":
+        return CorrectionResult(False, None, entropy, num_anchors, 0, reason)
+
+
+class Corrector(ABC):
+    """A cross-agent KV correction method; one instance holds the state of one process.
+
+    chained: corrections are relative to the source agent's materialised cache (KVCMAS) rather
+        than to a context-free reference (non-chained: result = reference + delta_{j<-ref}).
+    needs_reference: ``correct`` and ``observe`` need the context-free reference cache.
+    """
+
+    name: str
+    chained: bool
+    needs_reference: bool
+
+    @abstractmethod
+    def correct(
+        self,
+        slot: str,
+        source_agent: str,
+        target_agent: str,
+        source: SegmentKV,
+        reference: Optional[SegmentKV] = None,
+    ) -> CorrectionResult:
+        """Estimate the target agent's cache of segment ``slot``.
+
+        source: the source agent's cache of the segment (materialised, possibly itself corrected).
+        reference: the context-free reference cache; required iff ``needs_reference``.
+        Does not mutate the inputs; may update usage counters of the method's state.
+        """
+
+    @abstractmethod
+    def observe(
+        self,
+        slot: str,
+        source_agent: str,
+        target_agent: str,
+        source: SegmentKV,
+        target: SegmentKV,
+        reference: Optional[SegmentKV] = None,
+    ) -> None:
+        """Record a dense fallback: ``target`` is the target agent's exact cache of the segment.
+
+        source and target (and reference) have equal length. Copies what it keeps.
+        """
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of correction state held (all stored factors and tensors)."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics and tests (plain Python values)."""
+
+
+def check_pair(a: SegmentKV, b: SegmentKV, what: str) -> None:
+    """Raise unless two caches of one segment have equal shapes."""
+    if a.k.shape != b.k.shape:
+        raise ValueError(f"{what}: shapes differ, {tuple(a.k.shape)} vs {tuple(b.k.shape)}")

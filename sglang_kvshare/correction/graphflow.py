@@ -1,0 +1,80 @@
+"""GraphFlow baseline (Li et al., 2026a), as the KVCMAS paper implements it (appendix B.1).
+
+A correction is constructed once per recurring relation and reused without online matching.
+A relation is (slot, source agent, target agent); the slot name stands for the slot kind: it names
+one placeholder of the workflow template (e.g. ``user_question``, ``agent_2_current``) whose
+content changes per request while its position in the workflow recurs.
+The first dense fallback on a relation stores Delta_{j<-ref} = C_j - C_ref (full, or low-rank when
+``rank`` is set); later segments of that relation get C_ref + Delta on the covered prefix
+min(S, stored length), reference rows beyond it. Later observations do not update it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import ClassVar, Dict, Optional, Tuple
+
+import torch
+
+from sglang_kvshare.correction.base import CorrectionResult, Corrector, SegmentKV, check_pair
+from sglang_kvshare.lowrank import Factor, factorize
+
+
+@dataclass(frozen=True)
+class GraphFlowConfig:
+    """rank: None stores each delta full-dimensional, an int stores a truncated SVD.
+    factor_dtype: storage dtype (None: the cache dtype)."""
+
+    rank: Optional[int] = None
+    factor_dtype: Optional[torch.dtype] = None
+
+
+class GraphFlowCorrector(Corrector):
+    name: ClassVar[str] = "graphflow"
+    chained: ClassVar[bool] = False
+    needs_reference: ClassVar[bool] = True
+    default_config: ClassVar[GraphFlowConfig] = GraphFlowConfig()
+
+    def __init__(self, config: Optional[GraphFlowConfig] = None, **overrides) -> None:
+        self.config = replace(config or self.default_config, **overrides)
+        self._relations: Dict[Tuple[str, str, str], Tuple[Factor, Factor]] = {}
+        self._counts: Counter = Counter()
+
+    def correct(self, slot, source_agent, target_agent, source, reference=None) -> CorrectionResult:
+        if reference is None:
+            raise ValueError("graphflow needs the context-free reference cache")
+        self._counts["num_correct"] += 1
+        rel = self._relations.get((slot, source_agent, target_agent))
+        if rel is None or reference.seq_len == 0:
+            self._counts["rejected_no_relation"] += 1
+            return CorrectionResult.reject("no_relation")
+        dk, dv = rel
+        m = min(reference.seq_len, dk.rows)
+        out_k, out_v = reference.k.clone(), reference.v.clone()
+        out_k[:, :m] = (reference.k[:, :m].float() + dk.reconstruct(m)).to(out_k.dtype)
+        out_v[:, :m] = (reference.v[:, :m].float() + dv.reconstruct(m)).to(out_v.dtype)
+        self._counts["num_accepted"] += 1
+        return CorrectionResult(True, SegmentKV(out_k, out_v), None, 0, m, "accepted")
+
+    def observe(self, slot, source_agent, target_agent, source, target, reference=None) -> None:
+        if reference is None:
+            raise ValueError("graphflow needs the context-free reference cache")
+        check_pair(reference, target, "graphflow.observe")
+        key = (slot, source_agent, target_agent)
+        if key in self._relations:
+            return
+        dtype = self.config.factor_dtype or reference.k.dtype
+        self._relations[key] = (
+            factorize(target.k.float() - reference.k.float(), self.config.rank, dtype),
+            factorize(target.v.float() - reference.v.float(), self.config.rank, dtype),
+        )
+        self._counts["num_inserted"] += 1
+
+    def nbytes(self) -> int:
+        return sum(dk.nbytes + dv.nbytes for dk, dv in self._relations.values())
+
+    def stats(self) -> dict:
+        out = dict(self._counts)
+        out.update(name=self.name, num_relations=len(self._relations), nbytes=self.nbytes())
+        return out

@@ -1,0 +1,96 @@
+"""Import-time workarounds that let the pinned SGLang run on a machine without CUDA.
+
+``scripts/setup.sh`` installs a ``.pth`` file that calls :func:`install` in every interpreter of
+the virtual environment, and only on machines without CUDA. Nothing here imports SGLang.
+
+- torchvision from PyPI is a CUDA build: its ``_meta_registrations`` registers fake kernels for
+  ops that do not exist, and ``import torchvision`` fails. The registrations are skipped when
+  ``torchvision.extension._has_ops()`` is False.
+- ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU code paths, which import names from
+  ``sgl_kernel`` (a CUDA-only wheel) that are never called on a CPU without AMX. A stub module
+  that raises on any call stands in when the real one is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+_STUB_NAME = "sgl_kernel"
+
+
+class _TorchvisionMetaLoader(importlib.abc.Loader):
+    def __init__(self, wrapped: importlib.abc.Loader):
+        self._wrapped = wrapped
+
+    def create_module(self, spec):
+        return self._wrapped.create_module(spec)
+
+    def exec_module(self, module):
+        import torch
+        import torchvision.extension
+
+        if torchvision.extension._has_ops():
+            return self._wrapped.exec_module(module)
+        original = torch.library.register_fake
+        torch.library.register_fake = lambda *a, **k: (lambda fn: fn)
+        try:
+            self._wrapped.exec_module(module)
+        finally:
+            torch.library.register_fake = original
+
+
+def _stub_call(name: str):
+    def call(*args, **kwargs):
+        raise RuntimeError(
+            f"sgl_kernel.{name} was called, but this machine has no CUDA and only a stub "
+            "sgl_kernel is installed; this code path is not supported on CPU"
+        )
+
+    call.__name__ = name
+    return call
+
+
+def _stub_attr(attr: str):
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    return _stub_call(attr)
+
+
+class _StubKernelLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        # NOTE: not a package: "sgl_kernel.<submodule>" must raise ImportError, which SGLang
+        # catches to pick its own CPU fallbacks.
+        module.__getattr__ = _stub_attr
+        module.__version__ = "0.0.0+kvshare-cpu-stub"
+        module.KVSHARE_CPU_STUB = True
+        return module
+
+    def exec_module(self, module):
+        return None
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "torchvision._meta_registrations":
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _TorchvisionMetaLoader(spec.loader)
+            return spec
+        if fullname == _STUB_NAME:
+            if importlib.machinery.PathFinder.find_spec(_STUB_NAME) is not None:
+                return None  # a real sgl_kernel is installed
+            return importlib.util.spec_from_loader(fullname, _StubKernelLoader())
+        return None
+
+
+def install() -> None:
+    """Activate the workarounds in this interpreter (idempotent)."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

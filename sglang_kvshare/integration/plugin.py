@@ -1,0 +1,34 @@
+"""The ``sglang.srt.plugins`` entry point: registers everything the plugin adds to SGLang.
+
+SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It registers the
+``kvshare`` radix-cache backend, the ``kvshare_torch`` attention backend and the HookRegistry
+hooks (scheduler side: segment-wise prefill; tokenizer side: the ``meta_info.kvshare`` record).
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_loaded = False
+
+
+def load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from sglang_kvshare import check_sglang_version
+
+    check_sglang_version()
+    from sglang_kvshare.integration.attention import register_attention
+    from sglang_kvshare.integration.meta import register_tokenizer_hooks
+    from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
+    from sglang_kvshare.integration.tree import register_tree
+
+    register_tree()
+    register_attention()
+    register_scheduler_hooks()
+    register_tokenizer_hooks()
+    _loaded = True
+    logger.info("sglang_kvshare plugin loaded")

@@ -1,0 +1,154 @@
+"""Segment-wise prefill inside SGLang's scheduler, through HookRegistry AROUND hooks.
+
+Hooked targets (all resolved by tests/integration/test_hook_targets.py):
+
+- ``Req._compute_max_prefix_len``: before a request holds a KV row, its radix match stops one
+  token short of the first shared segment that will be injected.
+- ``PrefillAdder._select_prefill_admission``: the first admission is cut at that segment's start
+  (a chunked prefill); a request that would need a cut waits while another chunk is in flight.
+- ``PrefillAdder.add_one_req``: after a cut, no further request joins the batch.
+- ``PrefillAdder.add_chunked_req``: each later chunk stops at the next segment to inject.
+- ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
+  segment starting at its prefix is injected (so the adder's memory budget sees those slots);
+  after the batch is formed, every annotated request's computed tokens are counted.
+- ``SchedulerOutputStreamer.is_request_level_customized_info_key``: the ``kvshare`` record is
+  emitted once per request into ``meta_info``.
+
+The stock code then treats the injected slots as prefix: it reads ``req_to_token[row,
+:prefix_len]`` and runs the next chunk over the remaining tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_kvshare.integration.injection import inject_segment, rope_spec_for_model
+from sglang_kvshare.integration.state import META_KEY, context
+from sglang_kvshare.integration.tree import tree_of
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {
+    "max_prefix": "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len",
+    "admission": "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission",
+    "add_one": "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req",
+    "add_chunked": "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req",
+    "prefill": "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
+    "meta_level": "sglang.srt.managers.scheduler_components.output_streamer."
+    "SchedulerOutputStreamer.is_request_level_customized_info_key",
+}
+
+_CUT_FLAG = "_kvshare_cut"
+
+
+def _max_prefix_len(original, req, input_len):
+    limit = original(req, input_len)
+    st = context().state_of(req)
+    if st is None or req.kv.holds_kv:
+        return limit
+    cut = st.next_cut(context().registry, after=0)
+    if cut is not None:
+        limit = min(limit, cut - 1)
+    return limit
+
+
+def _select_admission(original, adder, req, **kwargs):
+    admission = original(adder, req, **kwargs)
+    st = context().state_of(req)
+    if st is None or not isinstance(admission, _PrefillAdmission):
+        return admission
+    if st.first_prefix_len is None:
+        st.first_prefix_len = admission.prefix_len
+    cut = st.next_cut(context().registry, after=admission.prefix_len)
+    if cut is None or cut >= admission.prefix_len + admission.extend_len:
+        return admission
+    if kwargs.get("has_chunked_req"):
+        return AddReqResult.OTHER  # one chunked request at a time: wait for the next pass
+    setattr(adder, _CUT_FLAG, True)
+    return _PrefillAdmission(
+        admission.prefix_len, cut - admission.prefix_len, 0, True, admission.replay_len
+    )
+
+
+def _add_one_req(original, adder, req, *args, **kwargs):
+    result = original(adder, req, *args, **kwargs)
+    if getattr(adder, _CUT_FLAG, False):
+        setattr(adder, _CUT_FLAG, False)
+        return AddReqResult.OTHER
+    return result
+
+
+def _add_chunked_req(original, adder, req):
+    st = context().state_of(req)
+    if st is not None:
+        cut = st.next_cut(context().registry, after=req.prefix_len)
+        if cut is not None:
+            room = cut - req.prefix_len
+            limit = adder.chunked_req_limit
+            adder.chunked_req_limit = room if limit is None else min(limit, room)
+    return original(adder, req)
+
+
+def _inject_pending(scheduler) -> None:
+    req = scheduler.chunked_req
+    ctx = context()
+    st = ctx.state_of(req)
+    if st is None or tree_of(scheduler) is None:
+        return
+    for i, span in st.injectable_starts(ctx.registry):
+        if span.start != req.prefix_len:
+            continue
+        st.decided.add(i)
+        rec = ctx.registry.lookup(st.spec.workflow, span.slot, st.spec.sources.get(span.slot))
+        result = None
+        if rec is not None:
+            result = inject_segment(scheduler, req, span, rec, _rope(scheduler))
+        if result is None:
+            st.modes[i] = "computed"
+        else:
+            st.modes[i] = "injected"
+            st.injected[i] = result.num_tokens
+            st.sources[i] = result.source_agent
+        st.refresh_meta()
+        return
+
+
+def _rope(scheduler):
+    rope = getattr(scheduler, "_kvshare_rope", None)
+    if rope is None:
+        rope = rope_spec_for_model(scheduler.tp_worker.model_runner)
+        scheduler._kvshare_rope = rope
+    return rope
+
+
+def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
+    if scheduler.chunked_req is not None:
+        _inject_pending(scheduler)
+    new_batch, running_batch = original(scheduler, *args, **kwargs)
+    if new_batch is not None:
+        ctx = context()
+        for req in new_batch.reqs:
+            st = ctx.state_of(req)
+            if st is not None:
+                st.computed_tokens += req.extend_len
+                st.refresh_meta()
+    return new_batch, running_batch
+
+
+def _is_request_level_key(original, streamer, key):
+    return key == META_KEY or original(streamer, key)
+
+
+def register_scheduler_hooks() -> None:
+    for name, fn in (
+        ("max_prefix", _max_prefix_len),
+        ("admission", _select_admission),
+        ("add_one", _add_one_req),
+        ("add_chunked", _add_chunked_req),
+        ("prefill", _get_new_batch_prefill_raw),
+        ("meta_level", _is_request_level_key),
+    ):
+        HookRegistry.register(TARGETS[name], fn, HookType.AROUND)

@@ -1,0 +1,117 @@
+"""Scheduler-process state of the plugin: config, source registry, per-request segment state.
+
+Only the scheduler process mutates this; SGLang runs its scheduling loop on one thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang_kvshare.config import KVShareArgs
+from sglang_kvshare.methods import MethodSpec, get_method
+from sglang_kvshare.segments import Span, WireSpec
+from sglang_kvshare.segments.sources import SourceRegistry
+
+CUSTOM_PARAM_KEY = "kvshare"
+META_KEY = "kvshare"
+
+
+@dataclass
+class ReqShareState:
+    """What the plugin knows and did for one annotated request."""
+
+    spec: WireSpec
+    method: MethodSpec
+    prompt_len: int
+    # per span index: "computed" | "cached" | "injected"; injected token counts
+    modes: dict[int, str] = field(default_factory=dict)
+    injected: dict[int, int] = field(default_factory=dict)
+    sources: dict[int, str] = field(default_factory=dict)
+    decided: set[int] = field(default_factory=set)  # PH spans whose injection was tried
+    first_prefix_len: Optional[int] = None
+    computed_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def injectable_starts(self, registry: SourceRegistry) -> list[tuple[int, Span]]:
+        """PH spans (index, span) that may be injected: not at position 0, a source recorded."""
+        if not self.method.injects:
+            return []
+        out = []
+        for i, s in enumerate(self.spec.spans):
+            if s.shared and s.start >= 1 and i not in self.decided:
+                agent = self.spec.sources.get(s.slot)
+                if registry.has(self.spec.workflow, s.slot, agent):
+                    out.append((i, s))
+        return out
+
+    def next_cut(self, registry: SourceRegistry, after: int) -> Optional[int]:
+        """First position > ``after`` where a PH span to inject starts."""
+        starts = [s.start for _, s in self.injectable_starts(registry) if s.start > after]
+        return min(starts) if starts else None
+
+    def refresh_meta(self) -> dict[str, Any]:
+        segs = []
+        injected_total = 0
+        for i, s in enumerate(self.spec.spans):
+            n_inj = self.injected.get(i, 0)
+            injected_total += n_inj
+            mode = self.modes.get(i)
+            if mode is None:
+                cached = self.first_prefix_len is not None and s.end <= self.first_prefix_len
+                mode = "cached" if cached else "computed"
+            entry = {"tokens": len(s), "shared": s.shared, "mode": mode}
+            if s.shared:
+                entry["slot"] = s.slot
+            if n_inj:
+                entry["injected_tokens"] = n_inj
+                entry["source_agent"] = self.sources.get(i)
+            segs.append(entry)
+        self.meta.update(
+            method=self.method.name,
+            workflow=self.spec.workflow,
+            agent=self.spec.agent,
+            prompt_tokens=self.prompt_len,
+            computed_tokens=self.computed_tokens,
+            reused_tokens=max(self.prompt_len - self.computed_tokens, 0),
+            injected_tokens=injected_total,
+            cached_tokens=self.first_prefix_len or 0,
+            segments=segs,
+        )
+        return self.meta
+
+
+class PluginContext:
+    """Process-wide plugin state of a scheduler process."""
+
+    def __init__(self, args: KVShareArgs):
+        self.args = args
+        self.registry = SourceRegistry(args.max_workflows)
+        self.requests: dict[str, ReqShareState] = {}
+
+    def state_of(self, req) -> Optional[ReqShareState]:
+        """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""
+        st = self.requests.get(req.rid)
+        if st is not None:
+            return st
+        params = getattr(req.sampling_params, "custom_params", None)
+        if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
+            return None
+        spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
+        st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
+        self.requests[req.rid] = st
+        req.customized_info = {META_KEY: [st.refresh_meta()]}
+        return st
+
+    def forget(self, req) -> Optional[ReqShareState]:
+        return self.requests.pop(req.rid, None)
+
+
+_CONTEXT: Optional[PluginContext] = None
+
+
+def context() -> PluginContext:
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = PluginContext(KVShareArgs.from_env())
+    return _CONTEXT

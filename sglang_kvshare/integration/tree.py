@@ -1,0 +1,115 @@
+"""The ``kvshare`` radix-cache backend: SGLang's classic radix tree plus source bookkeeping.
+
+Every annotated request keeps its KV under its own namespace (``extra_key`` =
+``WireSpec.namespace``), so approximate (injected) KV never serves a plain request or another
+agent as an ordinary prefix hit. When a request is released, the tree records where each of its
+shared slots, and its generated output (slot ``out:<agent>``), now sit in the tree, so later
+agents of the workflow can find them as injection sources.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.mem_cache.registry import (
+    TreeCacheBuildContext,
+    get_radix_cache_factory,
+    register_radix_cache_backend,
+)
+
+from sglang_kvshare.integration.state import context
+from sglang_kvshare.segments.sources import SourceRecord
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "kvshare"
+
+
+def output_slot(agent: str) -> str:
+    return f"out:{agent}"
+
+
+class KVShareRadixCache(RadixCache):
+    """Radix tree whose released annotated requests become injection sources."""
+
+    def find_source(self, rec: SourceRecord, num_tokens: int):
+        """Locate ``num_tokens`` of a source slot in the tree.
+
+        Returns (node, indices [n] int64) with n <= num_tokens the cached length of the slot, or
+        None when the slot's start is not cached any more. The caller must ``lock(node)`` before
+        allocating, and may use ``indices`` only while it holds the lock.
+        """
+        end = min(rec.start + num_tokens, rec.end)
+        key = RadixKey(array("q", rec.token_ids[:end]), extra_key=rec.namespace)
+        match = self.match_prefix(MatchPrefixParams(key=key))
+        cached = match.device_prefix_len - rec.start
+        if cached <= 0:
+            return None
+        node = match.last_device_node
+        indices = self.path_device_indices(node)[rec.start : rec.start + cached]
+        return node, indices
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        ctx = context()
+        st = ctx.forget(req)
+        if st is None:
+            return
+        st.refresh_meta()
+        if not checkpointed or not req.finished() or req.finished_reason is None:
+            return
+        if type(req.finished_reason).__name__ == "FINISH_ABORT":
+            return
+        spec = st.spec
+        owned = req.owned_kv_len()
+        tokens = tuple(req.full_untruncated_fill_ids[:owned])
+        for i, span in enumerate(spec.spans):
+            if span.shared and span.end <= owned:
+                ctx.registry.record(
+                    spec.workflow,
+                    span.slot,
+                    SourceRecord(
+                        agent=spec.agent,
+                        namespace=spec.namespace,
+                        token_ids=tokens[: span.end],
+                        start=span.start,
+                        end=span.end,
+                        corrected=st.modes.get(i) == "corrected",
+                    ),
+                )
+        prompt_len = len(req.origin_input_ids)
+        if owned > prompt_len:
+            ctx.registry.record(
+                spec.workflow,
+                output_slot(spec.agent),
+                SourceRecord(spec.agent, spec.namespace, tokens, prompt_len, owned),
+            )
+
+
+def _factory(ctx: TreeCacheBuildContext):
+    if ctx.disable_radix_cache:
+        raise ValueError("--radix-cache-backend kvshare needs the radix cache enabled")
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise ValueError(
+            "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
+        )
+    return KVShareRadixCache(ctx.params)
+
+
+def register_tree() -> None:
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, _factory)
+
+
+def tree_of(scheduler) -> Optional[KVShareRadixCache]:
+    tree = scheduler.tree_cache
+    return tree if isinstance(tree, KVShareRadixCache) else None
+
+
+def empty_indices(device) -> torch.Tensor:
+    return torch.empty((0,), dtype=torch.int64, device=device)

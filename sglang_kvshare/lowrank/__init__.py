@@ -1,0 +1,12 @@
+"""Low-rank (truncated-SVD) factors of KV matrices: A [L, r], B [r, D], reconstruction, bytes."""
+
+from sglang_kvshare.lowrank.factors import (
+    Dense,
+    Factor,
+    LowRank,
+    effective_rank,
+    factorize,
+    truncated_svd,
+)
+
+__all__ = ["Dense", "Factor", "LowRank", "effective_rank", "factorize", "truncated_svd"]

@@ -1,0 +1,61 @@
+"""Which materialised cache is the source of each shared slot in a workflow.
+
+Plain bookkeeping (no tensors): a record names the token path under which the source agent's
+cache sits in the radix tree, and where the slot's tokens are on that path. The tree may have
+evicted the cache since: a record is a hint, the tree lookup is the truth.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    agent: str
+    namespace: str  # radix-tree extra_key of the source agent's cache
+    token_ids: tuple[int, ...]  # the source path, from position 0 to at least ``end``
+    start: int  # the slot's tokens are token_ids[start:end]
+    end: int
+    corrected: bool = False  # the cache of this slot was materialised by a correction
+
+
+class SourceRegistry:
+    """Per workflow, per slot: the materialised caches, most recent last.
+
+    Workflows are forgotten least-recently-used first beyond ``max_workflows``.
+    """
+
+    def __init__(self, max_workflows: int = 4096):
+        self.max_workflows = max_workflows
+        self._flows: "OrderedDict[str, dict[str, list[SourceRecord]]]" = OrderedDict()
+
+    def record(self, workflow: str, slot: str, rec: SourceRecord) -> None:
+        slots = self._flows.setdefault(workflow, {})
+        self._flows.move_to_end(workflow)
+        recs = [r for r in slots.get(slot, []) if r.agent != rec.agent]
+        recs.append(rec)
+        slots[slot] = recs
+        while len(self._flows) > self.max_workflows:
+            self._flows.popitem(last=False)
+
+    def lookup(
+        self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None
+    ) -> Optional[SourceRecord]:
+        """The record of ``agent`` for the slot, or the most recent one not by ``exclude``."""
+        recs = self._flows.get(workflow, {}).get(slot, [])
+        for rec in reversed(recs):
+            if agent is not None and rec.agent != agent:
+                continue
+            if agent is None and exclude is not None and rec.agent == exclude:
+                continue
+            return rec
+        return None
+
+    def has(self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None) -> bool:
+        return self.lookup(workflow, slot, agent, exclude) is not None
+
+    def num_workflows(self) -> int:
+        return len(self._flows)
