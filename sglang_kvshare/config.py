@@ -31,6 +31,11 @@ class KVShareArgs:
         -1.0, "recompute budget of the selective recomputation methods (-1: the papers' default)"
     )
     anchor_budget_mb: float = _flag(256.0, "byte budget of all anchor pools together, in MiB")
+    dump_dir: str = _flag(
+        "",
+        "evaluation mode: write the K/V of every shared segment of each finished annotated "
+        "request under this directory (<workflow>/<agent>/<slot>.pt)",
+    )
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
+from sglang_kvshare.integration.injection import kv_layers
 from sglang_kvshare.integration.state import context
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -67,6 +69,8 @@ class KVShareRadixCache(RadixCache):
             return
         spec = st.spec
         owned = req.owned_kv_len()
+        if ctx.args.dump_dir:
+            self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
         for i, span in enumerate(spec.spans):
             if span.shared and span.end <= owned:
@@ -91,6 +95,32 @@ class KVShareRadixCache(RadixCache):
             )
 
 
+    @torch.no_grad()
+    def _dump(self, req, st, owned: int, root: str) -> None:
+        """Write each cached shared span's K/V ([layers, n, kv_heads, head_dim] float32)."""
+        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        spans = [(s.slot, s.start, s.end) for s in st.spec.spans if s.shared and s.end <= owned]
+        prompt_len = len(req.origin_input_ids)
+        if owned > prompt_len:
+            spans.append((output_slot(st.spec.agent), prompt_len, owned))
+        out_dir = Path(root) / _safe(st.spec.workflow) / _safe(st.spec.agent)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for slot, start, end in spans:
+            idx = row[start:end].to(torch.int64)
+            k = torch.stack([kb[idx].float() for kb, _ in kv_layers(pool)])
+            v = torch.stack([vb[idx].float() for _, vb in kv_layers(pool)])
+            torch.save(
+                {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
+                 "meta": dict(st.meta)},
+                out_dir / f"{_safe(slot)}.pt",
+            )
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def _factory(ctx: TreeCacheBuildContext):
     if ctx.disable_radix_cache:
         raise ValueError("--radix-cache-backend kvshare needs the radix cache enabled")
@@ -109,7 +139,3 @@ def register_tree() -> None:
 def tree_of(scheduler) -> Optional[KVShareRadixCache]:
     tree = scheduler.tree_cache
     return tree if isinstance(tree, KVShareRadixCache) else None
-
-
-def empty_indices(device) -> torch.Tensor:
-    return torch.empty((0,), dtype=torch.int64, device=device)

@@ -1,0 +1,83 @@
+"""Start and stop real SGLang servers (our launch_server or stock SGLang) for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+
+STOCK_CPU_FLAGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+    "--skip-server-warmup", "--dtype", "float32", "--max-total-tokens", "16384",
+    "--disable-overlap-schedule",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess on 127.0.0.1; ``stop()`` kills its whole process group."""
+
+    def __init__(self, argv: Sequence[str], log_path: Path, env: Optional[dict] = None, timeout: float = 300):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        full_env = dict(os.environ, **(env or {}))
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+        )
+        self._wait(timeout)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def generate(self, payload: dict, timeout: float = 300) -> requests.Response:
+        return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._log.close()
+
+
+def kvshare_server(model_path: str, log_path: Path, *extra: str, **kw) -> Server:
+    return Server(["-m", "sglang_kvshare.launch_server", "--model-path", model_path, *extra], log_path, **kw)
+
+
+def stock_server(model_path: str, log_path: Path, *extra: str, **kw) -> Server:
+    env = {"SGLANG_PLUGINS": "none"}  # no plugin: stock SGLang as users have it
+    return Server(["-m", "sglang.launch_server", "--model-path", model_path, *STOCK_CPU_FLAGS, *extra], log_path, env=env, **kw)

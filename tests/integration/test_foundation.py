@@ -1,0 +1,163 @@
+"""The plugin inside the real SGLang engine (tiny random-weight Llama on CPU)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from tests.integration.workflow_helpers import (
+    QUESTION,
+    SYSTEM,
+    payload,
+    private_tokens,
+    run_workflow,
+    segments,
+)
+
+
+def test_nonshared_matches_stock_sglang(tiny_server, tiny_stock_server):
+    for i, agent in enumerate(["solver", "critic"]):
+        segs = segments(agent, {"solver": "The answer is 15 red apples."} if i else {})
+        ours = tiny_server.generate(payload(f"stock-{i}", agent, "nonshared", segs, 12))
+        assert ours.status_code == 200, ours.text
+        meta = ours.json()["meta_info"]["kvshare"]
+        # the same token ids, sent to stock SGLang without any annotation
+        ids = ours.json()["meta_info"].get("input_ids")
+        text = "".join(s["text"] for s in segs)
+        stock = tiny_stock_server.generate(
+            {"input_ids": _token_ids(tiny_server, segs), "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+        )
+        assert stock.status_code == 200, stock.text
+        assert ours.json()["output_ids"] == stock.json()["output_ids"]
+        assert meta["computed_tokens"] == meta["prompt_tokens"] == stock.json()["meta_info"]["prompt_tokens"]
+        assert ids is None and text
+
+
+def _token_ids(server, segs) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.model_path)
+    ids: list[int] = []
+    for s in segs:
+        ids += tok.encode(s["text"], add_special_tokens=False)
+    return ids
+
+
+def _load(server, workflow, agent, slot):
+    from sglang_kvshare.integration.tree import _safe  # same file naming as the server
+
+    return torch.load(server.dump_dir / _safe(workflow) / _safe(agent) / f"{_safe(slot)}.pt")
+
+
+def test_fullshared_is_exact_when_context_is_equal(tiny_server):
+    # critic-b has exactly solver's private text: its injected question cache is exact
+    system = SYSTEM["solver"]
+    for method in ("nonshared", "fullshared"):
+        wf = f"exact-{method}"
+        first = tiny_server.generate(payload(wf, "solver", method, segments("solver", {}, system), 10))
+        assert first.status_code == 200
+        second = tiny_server.generate(payload(wf, "twin", method, segments("solver", {}, system), 10))
+        assert second.status_code == 200, second.text
+        if method == "nonshared":
+            dense_tokens = second.json()["output_ids"]
+        else:
+            meta = second.json()["meta_info"]["kvshare"]
+            assert [s["mode"] for s in meta["segments"]] == ["computed", "injected", "computed"]
+            assert second.json()["output_ids"] == dense_tokens
+    dense = _load(tiny_server, "exact-nonshared", "twin", "q")
+    injected = _load(tiny_server, "exact-fullshared", "twin", "q")
+    assert dense["start"] == injected["start"]
+    torch.testing.assert_close(injected["k"], dense["k"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(injected["v"], dense["v"], atol=1e-5, rtol=1e-5)
+
+
+def test_injection_at_a_different_position_realigns_keys(tiny_server):
+    # the critic's system prompt is longer: its question sits at another position. Layer-0 K/V
+    # depend on the token alone, so after the RoPE re-alignment they must equal dense exactly.
+    for method in ("nonshared", "fullshared"):
+        wf = f"shift-{method}"
+        assert tiny_server.generate(payload(wf, "solver", method, segments("solver", {}), 4)).status_code == 200
+        r = tiny_server.generate(payload(wf, "critic", method, segments("critic", {}), 4))
+        assert r.status_code == 200, r.text
+    dense = _load(tiny_server, "shift-nonshared", "critic", "q")
+    injected = _load(tiny_server, "shift-fullshared", "critic", "q")
+    source = _load(tiny_server, "shift-fullshared", "solver", "q")
+    assert injected["start"] != source["start"]
+    assert injected["meta"]["segments"][1]["mode"] == "injected"
+    torch.testing.assert_close(injected["k"][0], dense["k"][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(injected["v"][0], dense["v"][0], atol=1e-6, rtol=1e-6)
+    # without the rotation the keys would be the source's, which differ
+    assert (source["k"][0] - dense["k"][0]).abs().max() > 1e-2
+    # deeper layers see another context: the cache is approximate there (fullshared's error)
+    assert (injected["v"][1] - dense["v"][1]).abs().max() > 1e-4
+
+
+def test_later_agents_compute_only_private_tokens(tiny_server):
+    shared = run_workflow(tiny_server, "skip-fullshared", "fullshared")
+    dense = run_workflow(tiny_server, "skip-nonshared", "nonshared")
+    q_tokens = shared[0]["meta_info"]["kvshare"]["segments"][1]["tokens"]
+    assert q_tokens >= 300
+    first = shared[0]["meta_info"]["kvshare"]
+    assert first["computed_tokens"] == first["prompt_tokens"]
+    for out in shared[1:]:
+        meta = out["meta_info"]["kvshare"]
+        ph = [s for s in meta["segments"] if s["shared"]]
+        assert all(s["mode"] == "injected" for s in ph)
+        # the question is injected whole; an output segment may miss its last token, whose KV
+        # no engine holds after a length-limited decode (it was sampled, never fed back)
+        assert ph[0]["injected_tokens"] == ph[0]["tokens"]
+        assert all(s["tokens"] - s["injected_tokens"] <= 1 for s in ph[1:])
+        missing = sum(s["tokens"] - s["injected_tokens"] for s in ph)
+        assert meta["computed_tokens"] == private_tokens(meta) + missing
+        assert meta["injected_tokens"] == meta["prompt_tokens"] - meta["computed_tokens"]
+    for out in dense:
+        meta = out["meta_info"]["kvshare"]
+        assert meta["computed_tokens"] == meta["prompt_tokens"]
+        assert all(s["mode"] == "computed" for s in meta["segments"])
+
+
+BAD = [
+    ({"method": "telepathy"}, "unknown kvshare method"),
+    ({"segments": [{"text": "", "shared": False}]}, "text is empty"),
+    ({"segments": [{"text": 42, "shared": False}]}, "text must be a string"),
+    ({"segments": [{"text": "hi", "shared": True}]}, "no slot"),
+    ({"segments": []}, "non-empty list"),
+    ({"agent": ""}, "kvshare.agent"),
+]
+
+
+@pytest.mark.parametrize("patch,message", BAD)
+def test_bad_annotations_get_400_and_the_server_keeps_serving(tiny_server, patch, message):
+    body = payload("bad", "solver", "fullshared", segments("solver", {}), 2)
+    body["kvshare"].update(patch)
+    r = tiny_server.generate(body)
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+    ok = tiny_server.generate(payload("bad-ok", "solver", "fullshared", segments("solver", {}), 2))
+    assert ok.status_code == 200
+
+
+def test_text_with_annotation_and_oversized_prompt_get_400(tiny_server):
+    body = payload("bad2", "solver", "nonshared", segments("solver", {}), 2)
+    body["text"] = "hello"
+    r = tiny_server.generate(body)
+    assert r.status_code == 400 and "do not also send 'text'" in r.json()["error"]["message"]
+    huge = payload("bad2", "solver", "nonshared", segments("solver", {}, question=QUESTION * 12), 2)
+    r = tiny_server.generate(huge)
+    assert r.status_code == 400 and "context is" in r.json()["error"]["message"]
+    assert tiny_server.generate(payload("bad2-ok", "solver", "nonshared", segments("solver", {}), 2)).status_code == 200
+
+
+def test_concurrent_workflows_finish_with_correct_counts(tiny_server):
+    with cf.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(run_workflow, tiny_server, f"conc-{i}", "fullshared") for i in range(4)]
+        results = [f.result(timeout=600) for f in futures]
+    for responses in results:
+        assert responses[0]["meta_info"]["kvshare"]["computed_tokens"] == responses[0]["meta_info"]["kvshare"]["prompt_tokens"]
+        for out in responses[1:]:
+            meta = out["meta_info"]["kvshare"]
+            missing = sum(s["tokens"] - s.get("injected_tokens", 0) for s in meta["segments"] if s["shared"])
+            assert missing <= len(meta["segments"]) // 2 - 1  # at most the last token of each output
+            assert meta["computed_tokens"] == private_tokens(meta) + missing

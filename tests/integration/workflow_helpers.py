@@ -1,0 +1,50 @@
+"""Building annotated requests for a small agent workflow (shared question + earlier outputs)."""
+
+from __future__ import annotations
+
+QUESTION = "Question: " + " ".join(
+    f"Fact {i}: box {i} holds {3 * i} red apples and {i + 2} green pears." for i in range(24)
+) + " How many red apples are in box 5?"
+
+SYSTEM = {
+    "solver": "You are a careful solver. Think step by step.",
+    "critic": "You are a strict critic who checks every claim of the solver.",
+    "final": "You read the analyses and give the final answer only.",
+}
+
+
+def segments(agent: str, outputs: dict[str, str], system: str | None = None, question: str = QUESTION) -> list[dict]:
+    segs = [
+        {"text": f"<|im_start|>system\n{system or SYSTEM[agent]}<|im_end|>\n<|im_start|>user\n", "shared": False},
+        {"text": question, "shared": True, "slot": "q"},
+    ]
+    for prev, text in outputs.items():
+        segs.append({"text": f"\n{prev} wrote: ", "shared": False})
+        segs.append({"text": text, "shared": True, "slot": f"out:{prev}"})
+    segs.append({"text": "<|im_end|>\n<|im_start|>assistant\n", "shared": False})
+    return segs
+
+
+def payload(workflow: str, agent: str, method: str, segs: list[dict], max_new_tokens: int = 8, **extra) -> dict:
+    return {
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "kvshare": {"workflow": workflow, "agent": agent, "method": method, "segments": segs, **extra},
+    }
+
+
+def run_workflow(server, workflow: str, method: str, agents=("solver", "critic", "final"), max_new_tokens: int = 8):
+    """Run agents in sequence, each seeing the question and all earlier outputs; returns responses."""
+    outputs: dict[str, str] = {}
+    results = []
+    for agent in agents:
+        r = server.generate(payload(workflow, agent, method, segments(agent, outputs), max_new_tokens))
+        assert r.status_code == 200, r.text
+        out = r.json()
+        results.append(out)
+        if out["text"]:
+            outputs[agent] = out["text"]
+    return results
+
+
+def private_tokens(meta: dict) -> int:
+    return sum(s["tokens"] for s in meta["segments"] if not s["shared"])

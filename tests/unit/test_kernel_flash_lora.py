@@ -1,0 +1,120 @@
+"""Flash-LoRA-Attention Triton kernel vs its torch reference (CPU: Triton interpreter)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernels import flash_lora_attention as fla  # noqa: E402
+from sglang_kvshare.lora_cache import LoRAProjection, lora_attention_naive, lr_values  # noqa: E402
+from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys  # noqa: E402
+
+torch.set_num_threads(1)
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton is imported",
+                allow_module_level=True)
+
+HQ, HKV, D, R, N_AGENTS, SLOTS = 9, 3, 64, 8, 3, 48
+ATOL = 2e-5
+
+
+def _batch(q_lens, kv_lens, seed=0, key_lr=False):
+    """A paged batch: random KV pool, LR pools, stacked B factors, scattered slots."""
+    g = torch.Generator().manual_seed(seed)
+    k_buf = torch.randn(SLOTS, HKV, D, generator=g)
+    v_buf = torch.randn(SLOTS, HKV, D, generator=g)
+    lr_buf = torch.randn(SLOTS, N_AGENTS, R, generator=g)
+    B_v = torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2
+    kv_indices = torch.randperm(SLOTS, generator=g)[: sum(kv_lens)].to(torch.int32)
+    qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), HQ, D, generator=g)
+    kw = dict(lr_buf=lr_buf, B_v=B_v)
+    if key_lr:
+        rope = RopeSpec(inv_freq_for(D, 100000.0), D, is_neox=True)
+        kw["key_lr"] = fla.KeyLR(torch.randn(SLOTS, N_AGENTS, R, generator=g),
+                                 torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2, rope)
+    return (q, k_buf, v_buf, kv_indices, qo_indptr, kv_indptr), kw
+
+
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,agents",
+    [
+        ([5, 1, 3], [12, 9, 3], [2, 0, 1]),  # extend with prefix, decode, prefill
+        ([1, 1], [17, 5], [1, -1]),  # decode batch, one base-model request
+    ],
+    ids=["extend-decode-prefill", "decode-base"],
+)
+def test_triton_matches_reference(q_lens, kv_lens, agents):
+    args, kw = _batch(q_lens, kv_lens)
+    agent = torch.tensor(agents, dtype=torch.int32)
+    out = fla.flash_lora_attention_triton(*args, agent=agent, **kw)
+    ref = fla.flash_lora_attention_reference(*args, agent=agent, **kw)
+    assert out.shape == args[0].shape
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+    # negative control: without the LR cache the kernel gives a different (base) output
+    base = fla.flash_lora_attention_triton(*args, agent=agent)
+    assert (base - out).abs().max() > 1e-2
+
+
+def test_triton_equals_ordinary_lora_attention():
+    """End to end with real LR values: one request, 4 new tokens after a prefix of 6."""
+    g = torch.Generator().manual_seed(3)
+    T, hidden = 10, 32
+    x = torch.randn(T, hidden, generator=g)
+    W_v = torch.randn(hidden, HKV * D, generator=g) / hidden ** 0.5
+    ad = LoRAProjection(torch.randn(R, hidden, generator=g) / hidden ** 0.5,
+                        torch.randn(R, HKV * D, generator=g) * 0.5, 2.0)
+    k = torch.randn(T, HKV, D, generator=g)
+    q = torch.randn(4, HQ, D, generator=g)
+    lr_buf = lr_values(x, ad.A, ad.scaling)[:, None, :].contiguous()  # [T, 1 agent, R]
+    out = fla.flash_lora_attention_triton(
+        q, k, (x @ W_v).view(T, HKV, D), torch.arange(T, dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32),
+        lr_buf, ad.B[None].contiguous(), torch.tensor([0], dtype=torch.int32))
+    ref = lora_attention_naive(q, k, (x @ W_v + ad.delta(x)).view(T, HKV, D), None, None)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+
+
+def test_triton_key_lr_matches_reference():
+    args, kw = _batch([3, 1], [7, 6], seed=1, key_lr=True)
+    agent = torch.tensor([0, 2], dtype=torch.int32)
+    out = fla.flash_lora_attention_triton(*args, agent=agent, **kw)
+    ref = fla.flash_lora_attention_reference(*args, agent=agent, **kw)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+    no_key = fla.flash_lora_attention_triton(*args, agent=agent, lr_buf=kw["lr_buf"],
+                                             B_v=kw["B_v"])
+    assert (no_key - out).abs().max() > 1e-3
+
+    # the reference's key path is ordinary RoPE'd LoRA keys: K = RoPE(K_pre + LR_k B_k)
+    q, k_buf, v_buf, kv_idx, _, _ = args
+    slots, j = kv_idx[7:13].long(), 2
+    lr_k, B_k, rope = kw["key_lr"]
+    pos = torch.arange(6)
+    k_pre = torch.randn(6, HKV, D, generator=torch.Generator().manual_seed(4))
+    k_buf = k_buf.clone()
+    k_buf[slots] = shift_keys(k_pre, pos, rope)
+    k_lora = shift_keys(k_pre + (lr_k[slots, j] @ B_k[j]).view(6, HKV, D), pos, rope)
+    v_lora = v_buf[slots] + (kw["lr_buf"][slots, j] @ kw["B_v"][j]).view(6, HKV, D)
+    one = fla.flash_lora_attention_triton(
+        q[3:4], k_buf, v_buf, kv_idx[7:13], torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 6], dtype=torch.int32), agent=torch.tensor([j], dtype=torch.int32), **kw)
+    torch.testing.assert_close(one, lora_attention_naive(q[3:4], k_lora, v_lora, None, None),
+                               atol=ATOL, rtol=1e-5)
+
+
+def test_dispatcher_uses_reference_on_cpu():
+    args, kw = _batch([2], [4], seed=2)
+    out = fla.flash_lora_attention_paged(*args, agent=torch.tensor([1]), **kw)
+    torch.testing.assert_close(out, fla.flash_lora_attention_reference(
+        *args, agent=torch.tensor([1]), **kw))
+
+
+def test_launcher_asserts_shapes():
+    args, kw = _batch([2], [4], seed=2)
+    with pytest.raises(AssertionError):
+        fla.flash_lora_attention_triton(*args, lr_buf=kw["lr_buf"], B_v=kw["B_v"][:, :4])
