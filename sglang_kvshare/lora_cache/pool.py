@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -78,11 +78,13 @@ class LRCachePool:
         values: torch.Tensor,
         agent: Optional[str] = None,
         kind: str = "value",
+        columns: Optional[Sequence[int]] = None,
     ) -> None:
         """Store LR values of the tokens at KV slots ``slots`` [T] (int64).
 
         agent None: ``values`` [T, n, r] with n <= max_agents, r <= max_rank, written to columns
-            ``0..n-1`` (all registered agents at once, as ``prelr_shared`` produces them).
+            ``0..n-1`` (all registered agents at once, as ``prelr_shared`` produces them), or only
+            to ``columns`` when given (``LRWrite.columns``).
         agent name: ``values`` [T, r_agent], written to that agent's column only.
         """
         buf = self.buffer(layer, kind)
@@ -93,7 +95,11 @@ class LRCachePool:
                 raise ValueError(f"values must be [T, <= {buf.shape[1]}, <= {buf.shape[2]}], "
                                  f"got {tuple(values.shape)}")
             n, r = values.shape[1:]
-            buf[slots, :n, :r] = values
+            if columns is None:
+                buf[slots, :n, :r] = values
+            else:
+                cols = torch.as_tensor(list(columns), dtype=torch.long, device=buf.device)
+                buf[slots[:, None], cols[None, :], :r] = values[:, cols]
         else:
             col, rank = self._agents[agent]
             if values.dim() != 2 or values.shape[1] != rank:

@@ -15,7 +15,7 @@ Hidden states are the projection inputs of one layer (after the input RMSNorm): 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,19 +29,22 @@ class LRWrite:
     """One layer's cache writes for T new tokens.
 
     base_source: which hidden states feed the shared base KV ("adapted" or "neutral").
-    lr: [T, n_agents, r_max] LR values for all agent columns (scaling folded in); written with
-        ``LRCachePool.write(layer, slots, lr)``.
+    lr: [T, n_agents, r_max] LR values for all agent columns (scaling folded in).
+    columns: the agent columns this write fills (``LRCachePool.write(layer, slots, lr,
+        columns=columns)``); the others are left as they are.
     """
 
     base_source: str
     lr: torch.Tensor
+    columns: Tuple[int, ...]
 
 
 def prelr_shared(x_adpt: torch.Tensor, A_all: torch.Tensor, scaling: Scaling) -> LRWrite:
     """PreLRShared: x_adpt [T, d_in] (current agent's adapted hidden states), A_all
     [n_agents, r_max, d_in], scaling [n_agents] -> base from ``x_adpt``, LR of every agent from
     ``x_adpt`` (one matmul)."""
-    return LRWrite(base_source="adapted", lr=lr_values(x_adpt, A_all, scaling))
+    lr = lr_values(x_adpt, A_all, scaling)
+    return LRWrite(base_source="adapted", lr=lr, columns=tuple(range(lr.shape[1])))
 
 
 def rebase_shared(
@@ -54,13 +57,15 @@ def rebase_shared(
     """ReBaseShared: neutral base cache from x_neut [T, d_in]; LR column ``current_agent`` from
     x_adpt [T, d_in] (the agent's own adapted states), every other column from x_neut.
 
-    x_adpt None (LP post-turn prefill, the current agent's column already written during its
-    turn): column ``current_agent`` is also computed from x_neut and must not be written back;
-    use ``lr[:, others]``.
+    x_adpt None (LP post-turn prefill; the current agent's column was written from its adapted
+    states during its turn): ``columns`` excludes ``current_agent``.
     """
     lr = lr_values(x_neut, A_all, scaling)
-    if x_adpt is not None:
+    columns = tuple(range(lr.shape[1]))
+    if x_adpt is None:
+        columns = tuple(c for c in columns if c != current_agent)
+    else:
         s = torch.as_tensor(scaling, dtype=x_adpt.dtype, device=x_adpt.device).reshape(-1)
         s_j = s[current_agent] if s.numel() > 1 else s[0]
         lr[:, current_agent] = lr_values(x_adpt, A_all[current_agent], float(s_j))
-    return LRWrite(base_source="neutral", lr=lr)
+    return LRWrite(base_source="neutral", lr=lr, columns=columns)

@@ -36,9 +36,9 @@ def inv_freq_for(
     Any other scaling type raises: YaRN-style scalings also rescale magnitudes, which a pure
     rotation cannot re-align.
     """
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    )
+    # NOTE: float32, as the models compute it: a one-ulp difference times a position of
+    # thousands is a visible angle error.
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
     kind = None
     if rope_scaling:
         kind = rope_scaling.get("rope_type", rope_scaling.get("type"))

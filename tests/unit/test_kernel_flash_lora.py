@@ -1,11 +1,18 @@
-"""Flash-LoRA-Attention Triton kernel vs its torch reference (CPU: Triton interpreter)."""
+"""Flash-LoRA-Attention Triton kernel vs its torch reference (CPU: Triton interpreter).
+
+The interpreter must be on before triton is first imported. When another module of the session
+imported triton earlier (e.g. through sglang), the kernel tests run in a fresh subprocess instead.
+"""
 
 import os
+import subprocess
+import sys
 
+_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -14,9 +21,22 @@ from sglang_kvshare.lora_cache import LoRAProjection, lora_attention_naive, lr_v
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys  # noqa: E402
 
 torch.set_num_threads(1)
+IN_SUBPROCESS = not torch.cuda.is_available() and _LATE
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs CUDA or TRITON_INTERPRET=1 before triton is imported",
-                allow_module_level=True)
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+kernel_test = pytest.mark.skipif(IN_SUBPROCESS, reason="run by test_kernels_in_fresh_process")
+
+
+def test_kernels_in_fresh_process():
+    if not IN_SUBPROCESS:
+        pytest.skip("triton interpreter active in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+
 
 HQ, HKV, D, R, N_AGENTS, SLOTS = 9, 3, 64, 8, 3, 48
 ATOL = 2e-5
@@ -41,6 +61,7 @@ def _batch(q_lens, kv_lens, seed=0, key_lr=False):
     return (q, k_buf, v_buf, kv_indices, qo_indptr, kv_indptr), kw
 
 
+@kernel_test
 @pytest.mark.parametrize(
     "q_lens,kv_lens,agents",
     [
@@ -61,6 +82,7 @@ def test_triton_matches_reference(q_lens, kv_lens, agents):
     assert (base - out).abs().max() > 1e-2
 
 
+@kernel_test
 def test_triton_equals_ordinary_lora_attention():
     """End to end with real LR values: one request, 4 new tokens after a prefix of 6."""
     g = torch.Generator().manual_seed(3)
@@ -80,6 +102,7 @@ def test_triton_equals_ordinary_lora_attention():
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
 
 
+@kernel_test
 def test_triton_key_lr_matches_reference():
     args, kw = _batch([3, 1], [7, 6], seed=1, key_lr=True)
     agent = torch.tensor([0, 2], dtype=torch.int32)
@@ -107,6 +130,7 @@ def test_triton_key_lr_matches_reference():
                                atol=ATOL, rtol=1e-5)
 
 
+@kernel_test
 def test_dispatcher_uses_reference_on_cpu():
     args, kw = _batch([2], [4], seed=2)
     out = fla.flash_lora_attention_paged(*args, agent=torch.tensor([1]), **kw)
@@ -114,6 +138,7 @@ def test_dispatcher_uses_reference_on_cpu():
         *args, agent=torch.tensor([1]), **kw))
 
 
+@kernel_test
 def test_launcher_asserts_shapes():
     args, kw = _batch([2], [4], seed=2)
     with pytest.raises(AssertionError):

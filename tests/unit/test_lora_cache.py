@@ -214,5 +214,18 @@ def test_schedules():
     torch.testing.assert_close(re.lr[:, 1], lr_values(x_adpt, ads[1].A, ads[1].scaling))
     for j in (0, 2):
         torch.testing.assert_close(re.lr[:, j], lr_values(x_neut, ads[j].A, ads[j].scaling))
-    lp = rebase_shared(None, x_neut, A_all, s, current_agent=1)  # LP post-turn prefill
-    torch.testing.assert_close(lp.lr[:, [0, 2]], re.lr[:, [0, 2]])
+    assert pre.columns == re.columns == (0, 1, 2)
+
+    # LP: the turn writes column 1 from x_adpt, the post-turn prefill the others from x_neut;
+    # the pool ends in the same state as DB (one rebase_shared write with both passes)
+    cfg = LRCacheConfig(1, 16, 3, 8, HKV, D)
+    db, lp = LRCachePool(cfg), LRCachePool(cfg)
+    for pool in (db, lp):
+        assert [pool.register_agent(n, 8) for n in "abc"] == [0, 1, 2]
+    slots = torch.tensor([2, 5, 6, 9, 11, 15])
+    db.write(0, slots, re.lr, columns=re.columns)
+    lp.write(0, slots, lr_values(x_adpt, ads[1].A, ads[1].scaling), agent="b")  # during the turn
+    lp_post = rebase_shared(None, x_neut, A_all, s, current_agent=1)  # post-turn prefill
+    assert lp_post.columns == (0, 2)
+    lp.write(0, slots, lp_post.lr, columns=lp_post.columns)
+    torch.testing.assert_close(lp.buffer(0), db.buffer(0))

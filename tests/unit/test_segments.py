@@ -1,0 +1,77 @@
+import pytest
+
+from sglang_kvshare.config import KVShareArgs
+from sglang_kvshare.segments import AnnotationError, Segment, Span, WireSpec, parse_annotation, tokenize_segments
+from sglang_kvshare.segments.sources import SourceRecord, SourceRegistry
+
+
+def _ann(**kw):
+    base = {"workflow": "wf", "agent": "critic", "segments": [
+        {"text": "sys", "shared": False}, {"text": "Q", "shared": True, "slot": "q"}]}
+    base.update(kw)
+    return base
+
+
+def test_parse_defaults_method_and_keeps_order():
+    ann = parse_annotation(_ann(), "fullshared")
+    assert ann.method == "fullshared"
+    assert [s.slot for s in ann.segments] == [None, "q"]
+
+
+@pytest.mark.parametrize("raw,message", [
+    ([], "must be an object"),
+    (_ann(method="nope"), "unknown kvshare method"),
+    (_ann(workflow=""), "kvshare.workflow"),
+    (_ann(segments=[{"text": "x", "shared": True}]), "no slot"),
+    (_ann(segments=[{"text": "x", "shared": False, "slot": "q"}]), "not shared"),
+    (_ann(segments=[{"text": "a", "shared": True, "slot": "q"}, {"text": "b", "shared": True, "slot": "q"}]), "appears twice"),
+    (_ann(segments=[{"text": None}]), "must be a string"),
+    (_ann(extra=1), "unknown keys"),
+    (_ann(sources={"zz": "solver"}), "no shared segment"),
+    (_ann(recompute_ratio=1.5), "recompute_ratio"),
+])
+def test_bad_annotations_name_the_problem(raw, message):
+    with pytest.raises(AnnotationError, match=message):
+        parse_annotation(raw, "nonshared")
+
+
+def test_tokenize_segments_is_per_segment_with_prefix_and_output_substitution():
+    encode = lambda t: [ord(c) for c in t]  # noqa: E731
+    segs = [Segment("ab", False), Segment("cd", True, "q"), Segment("e", False), Segment("xyz", True, "out:s")]
+    sub = lambda slot, text: [7, 7] if slot == "out:s" and text == "xyz" else None  # noqa: E731
+    p = tokenize_segments(segs, encode, prefix_ids=[1], slot_tokens=sub)
+    assert p.input_ids == [1, 97, 98, 99, 100, 101, 7, 7]
+    assert p.spans == [Span(0, 1), Span(1, 3), Span(3, 5, "q"), Span(5, 6), Span(6, 8, "out:s")]
+
+
+def test_wire_spec_round_trip_and_namespace():
+    w = WireSpec("wf", "a", "fullshared", (Span(0, 3), Span(3, 9, "q")), {"q": "b"}, 0.2)
+    back = WireSpec.loads(w.dumps())
+    assert back == w
+    assert back.namespace != WireSpec("wf", "b", "fullshared", ()).namespace
+
+
+def test_source_registry_latest_by_agent_and_lru():
+    reg = SourceRegistry(max_workflows=2)
+    rec = lambda agent: SourceRecord(agent, "ns-" + agent, (1, 2, 3), 1, 3)  # noqa: E731
+    reg.record("w1", "q", rec("a"))
+    reg.record("w1", "q", rec("b"))
+    assert reg.lookup("w1", "q").agent == "b"
+    assert reg.lookup("w1", "q", agent="a").agent == "a"
+    assert reg.lookup("w1", "q", exclude="b").agent == "a"
+    reg.record("w2", "q", rec("a"))
+    reg.record("w3", "q", rec("a"))
+    assert not reg.has("w1", "q") and reg.has("w3", "q")
+
+
+def test_cli_flags_come_from_the_dataclass():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--kvshare-method", "nonshared", "--kvshare-tau", "0.5"])
+    args = KVShareArgs.from_cli_args(ns)
+    assert args.method == "nonshared" and args.tau == 0.5 and args.rank == 32
+    assert KVShareArgs.from_env.__func__  # round trip through the environment
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvshare-method", "bogus"])
