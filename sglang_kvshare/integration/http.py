@@ -10,6 +10,7 @@ annotated requests are read to remember each agent's output token ids, so a late
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections import OrderedDict
@@ -22,7 +23,9 @@ from sglang_kvshare.segments import (
     parse_annotation,
     tokenize_segments,
 )
-from sglang_kvshare.segments.spec import KVShareAnnotation
+from sglang_kvshare.methods import get_method
+from sglang_kvshare.segments.sources import REFERENCE_AGENT
+from sglang_kvshare.segments.spec import KVShareAnnotation, Span
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class KVShareMiddleware:
         self.args = args
         self.get_tm = get_tokenizer_manager
         self.outputs = OutputTokens(capacity=16 * args.max_workflows)
+        self.referenced: "OrderedDict[tuple, None]" = OrderedDict()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/generate":
@@ -70,6 +74,8 @@ class KVShareMiddleware:
             ann, payload = self.rewrite(payload)
         except AnnotationError as e:
             return await _send_json(send, 400, {"error": {"message": f"kvshare: {e}", "code": 400}})
+        if get_method(ann.method).needs_reference:
+            await self.ensure_references(ann, payload)
         new_body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
@@ -110,6 +116,7 @@ class KVShareMiddleware:
             spans=tuple(prompt.spans),
             sources=ann.sources,
             recompute_ratio=ann.recompute_ratio,
+            tau=ann.tau,
         )
         out = {k: v for k, v in payload.items() if k != "kvshare"}
         out["input_ids"] = prompt.input_ids
@@ -118,6 +125,49 @@ class KVShareMiddleware:
         out["sampling_params"] = sp
         out["extra_key"] = wire.namespace
         return ann, out
+
+    async def ensure_references(self, ann: KVShareAnnotation, payload: dict) -> None:
+        """Prefill each shared segment alone (its context-free reference cache) once per workflow.
+
+        Non-chained correction methods start from this cache. Each prefill is a real request
+        under the workflow's reference namespace; its computed tokens are charged to the request
+        that needed it (``reference_tokens`` in ``meta_info.kvshare``).
+        """
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        wire = WireSpec.loads(payload["sampling_params"]["custom_params"]["kvshare"])
+        ids = payload["input_ids"]
+        prefix = _special_prefix(self.get_tm().tokenizer)
+        charged = 0
+        for span in wire.spans:
+            if not span.shared:
+                continue
+            tokens = tuple(ids[span.start : span.end])
+            key = (ann.workflow, span.slot, hash(tokens))
+            if key in self.referenced:
+                continue
+            ref = WireSpec(
+                workflow=ann.workflow,
+                agent=REFERENCE_AGENT,
+                method="nonshared",
+                spans=((Span(0, len(prefix)),) if prefix else ())
+                + (Span(len(prefix), len(prefix) + len(tokens), span.slot),),
+            )
+            obj = GenerateReqInput(
+                input_ids=list(prefix) + list(tokens),
+                sampling_params={"max_new_tokens": 1, "temperature": 0, "custom_params": {"kvshare": ref.dumps()}},
+                extra_key=ref.namespace,
+            )
+            out = None
+            async for out in self.get_tm().generate_request(obj, None):
+                pass
+            meta = (out or {}).get("meta_info", {}).get("kvshare") or {}
+            charged += int(meta.get("computed_tokens", 0))
+            self.referenced[key] = None
+            while len(self.referenced) > 16 * self.args.max_workflows:
+                self.referenced.popitem(last=False)
+        wire = dataclasses.replace(wire, reference_tokens=charged)
+        payload["sampling_params"]["custom_params"]["kvshare"] = wire.dumps()
 
     def _recording_send(self, send, ann: KVShareAnnotation):
         chunks: list[bytes] = []

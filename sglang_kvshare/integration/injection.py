@@ -14,11 +14,22 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
 
-from sglang_kvshare.rope import RopeSpec, inv_freq_for, shift_keys
+from sglang_kvshare.kernels.kv_correct import kv_correct
+from sglang_kvshare.rope import RopeSpec, inv_freq_for
 from sglang_kvshare.segments import Span
 from sglang_kvshare.segments.sources import SourceRecord
 
 logger = logging.getLogger(__name__)
+
+
+def rope_of(model_runner) -> RopeSpec:
+    """The model's RoPE, computed once per process (kept in the plugin context)."""
+    from sglang_kvshare.integration.state import context
+
+    ctx = context()
+    if ctx.rope is None:
+        ctx.rope = rope_spec_for_model(model_runner)
+    return ctx.rope
 
 
 def rope_spec_for_model(model_runner) -> RopeSpec:
@@ -51,6 +62,7 @@ def kv_layers(pool):
 class InjectResult:
     num_tokens: int
     source_agent: str
+    dst: torch.Tensor  # [num_tokens] KV slots now holding the segment
 
 
 def _common_prefix(a, b) -> int:
@@ -61,46 +73,49 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-def inject_segment(scheduler, req, span: Span, rec: SourceRecord, rope: RopeSpec) -> Optional[InjectResult]:
-    """Inject up to ``len(span)`` tokens of ``rec`` at ``span.start`` of ``req``.
-
-    ``req`` must hold its req_to_token row with exactly ``span.start`` tokens of KV
-    (``req.prefix_len == span.start``). On success the request's prefix, allocated and committed
-    lengths all move to the end of the injected tokens. Returns None (nothing changed) when the
-    source is gone, its tokens differ, or no KV slots can be had.
-    """
-    tree = scheduler.tree_cache
+def injectable_len(req, span: Span, rec: SourceRecord) -> int:
+    """Leading tokens of ``span`` that ``rec`` can stand for: equal tokens, and at least one
+    prompt token left to compute after them (its logits are needed)."""
     fill = req.full_untruncated_fill_ids
-    # at least one prompt token after the injection must be computed (its logits are needed)
     limit = min(len(span), len(fill) - 1 - span.start)
-    src_tokens = rec.token_ids[rec.start : rec.end]
-    n = min(limit, _common_prefix(src_tokens, fill[span.start : span.start + limit]))
-    if n <= 0:
-        return None
-    found = tree.find_source(rec, n)
+    if limit <= 0:
+        return 0
+    return _common_prefix(rec.token_ids[rec.start : rec.end], fill[span.start : span.start + limit])
+
+
+def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec) -> Optional[InjectResult]:
+    """Copy up to ``num_tokens`` of ``rec``'s cached K/V (keys re-aligned) into new slots for
+    ``span``; None (nothing changed) when the source is gone or no KV slots can be had."""
+    tree = scheduler.tree_cache
+    found = tree.find_source(rec, num_tokens)
     if found is None:
         return None
     node, src_idx = found
-    n = len(src_idx)
     lock = tree.lock(node)
     try:
-        dst = _alloc(scheduler, req, span.start, n)
+        dst = alloc_slots(scheduler, req, span.start, len(src_idx))
         if dst is None:
             return None
-        _copy_kv(scheduler.token_to_kv_pool_allocator.get_kvcache(), src_idx, dst, span.start - rec.start, rope)
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        for k_buf, v_buf in kv_layers(pool):
+            kv_correct(k_buf, v_buf, src_idx.to(torch.int64), dst.to(torch.int64), span.start - rec.start, rope)
     finally:
         tree.unlock(lock)
-    row = req.kv.req_pool_idx
-    scheduler.req_to_token_pool.write((row, slice(span.start, span.start + n)), dst.to(torch.int32))
-    end = span.start + n
+    return InjectResult(num_tokens=len(src_idx), source_agent=rec.agent, dst=dst)
+
+
+def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:
+    """Make slots ``dst`` the request's KV for [start, start + len(dst)) and its new prefix."""
+    end = start + len(dst)
+    scheduler.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, end)), dst.to(torch.int32))
     req.prefix_len = end
     req.extend_end = end
     req.kv.kv_allocated_len = end
     req.kv.kv_committed_len = end
-    return InjectResult(num_tokens=n, source_agent=rec.agent)
 
 
-def _alloc(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
+def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
+    """``n`` KV slots continuing the request's row at ``start`` (None when the pool is full)."""
     tree = scheduler.tree_cache
     try:
         if scheduler.page_size == 1:
@@ -116,12 +131,3 @@ def _alloc(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
     except RuntimeError as e:  # out of KV memory: the segment is computed instead
         logger.warning("kvshare: no KV slots for injection (%s); computing instead", e)
         return None
-
-
-@torch.no_grad()
-def _copy_kv(pool, src: torch.Tensor, dst: torch.Tensor, delta: int, rope: RopeSpec) -> None:
-    src = src.to(torch.int64)
-    dst = dst.to(torch.int64)
-    for k_buf, v_buf in kv_layers(pool):
-        k_buf[dst] = shift_keys(k_buf[src], delta, rope)
-        v_buf[dst] = v_buf[src]

@@ -25,7 +25,13 @@ import logging
 from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.integration.injection import inject_segment, rope_spec_for_model
+from sglang_kvshare.integration.correction_path import correct_segment
+from sglang_kvshare.integration.injection import (
+    commit_injection,
+    inject_segment,
+    injectable_len,
+    rope_of,
+)
 from sglang_kvshare.integration.state import META_KEY, context
 from sglang_kvshare.integration.tree import tree_of
 
@@ -93,6 +99,7 @@ def _add_chunked_req(original, adder, req):
 
 
 def _inject_pending(scheduler) -> None:
+    """Inject (or correct) the chunked request's shared segment that starts at its prefix."""
     req = scheduler.chunked_req
     ctx = context()
     st = ctx.state_of(req)
@@ -102,14 +109,19 @@ def _inject_pending(scheduler) -> None:
         if span.start != req.prefix_len:
             continue
         st.decided.add(i)
-        rec = ctx.registry.lookup(st.spec.workflow, span.slot, st.spec.sources.get(span.slot))
+        rec = st.source(ctx.registry, span.slot)
+        n = 0 if rec is None else injectable_len(req, span, rec)
         result = None
-        if rec is not None:
-            result = inject_segment(scheduler, req, span, rec, _rope(scheduler))
+        if n > 0 and st.method.corrector is None:
+            result = inject_segment(scheduler, req, span, rec, n, _rope(scheduler))
+        elif n > 0:
+            corrector = ctx.corrector(st.method.corrector, st.spec.tau)
+            result = correct_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler), corrector)
         if result is None:
-            st.modes[i] = "computed"
+            st.modes[i] = "dense_fallback" if i in st.pending else "computed"
         else:
-            st.modes[i] = "injected"
+            commit_injection(scheduler, req, span.start, result.dst)
+            st.modes[i] = "corrected" if st.method.corrector else "injected"
             st.injected[i] = result.num_tokens
             st.sources[i] = result.source_agent
         st.refresh_meta()
@@ -117,11 +129,7 @@ def _inject_pending(scheduler) -> None:
 
 
 def _rope(scheduler):
-    rope = getattr(scheduler, "_kvshare_rope", None)
-    if rope is None:
-        rope = rope_spec_for_model(scheduler.tp_worker.model_runner)
-        scheduler._kvshare_rope = rope
-    return rope
+    return rope_of(scheduler.tp_worker.model_runner)
 
 
 def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.methods import MethodSpec, get_method
 from sglang_kvshare.segments import Span, WireSpec
-from sglang_kvshare.segments.sources import SourceRegistry
+from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry
 
 CUSTOM_PARAM_KEY = "kvshare"
 META_KEY = "kvshare"
@@ -29,21 +29,34 @@ class ReqShareState:
     injected: dict[int, int] = field(default_factory=dict)
     sources: dict[int, str] = field(default_factory=dict)
     decided: set[int] = field(default_factory=set)  # PH spans whose injection was tried
+    # per span index: gate outcome of a correction method (entropy, reason, corrected rows)
+    corrections: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # per span index: what a dense fallback must report to the corrector once its KV exists
+    pending: dict[int, Any] = field(default_factory=dict)
     first_prefix_len: Optional[int] = None
     computed_tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def source(self, registry: SourceRegistry, slot: str) -> Optional[SourceRecord]:
+        """The cache to start from for ``slot``: the named or most recent agent's, or, for
+        methods that correct a context-free reference, the reference when no agent has one."""
+        rec = registry.lookup(self.spec.workflow, slot, self.spec.sources.get(slot))
+        if rec is None and self.method.needs_reference:
+            rec = self.reference(registry, slot)
+        return rec
+
+    def reference(self, registry: SourceRegistry, slot: str) -> Optional[SourceRecord]:
+        return registry.lookup(self.spec.workflow, slot, REFERENCE_AGENT)
 
     def injectable_starts(self, registry: SourceRegistry) -> list[tuple[int, Span]]:
         """PH spans (index, span) that may be injected: not at position 0, a source recorded."""
         if not self.method.injects:
             return []
-        out = []
-        for i, s in enumerate(self.spec.spans):
-            if s.shared and s.start >= 1 and i not in self.decided:
-                agent = self.spec.sources.get(s.slot)
-                if registry.has(self.spec.workflow, s.slot, agent):
-                    out.append((i, s))
-        return out
+        return [
+            (i, s)
+            for i, s in enumerate(self.spec.spans)
+            if s.shared and s.start >= 1 and i not in self.decided and self.source(registry, s.slot)
+        ]
 
     def next_cut(self, registry: SourceRegistry, after: int) -> Optional[int]:
         """First position > ``after`` where a PH span to inject starts."""
@@ -65,16 +78,22 @@ class ReqShareState:
                 entry["slot"] = s.slot
             if n_inj:
                 entry["injected_tokens"] = n_inj
-                entry["source_agent"] = self.sources.get(i)
+            if i in self.sources:
+                entry["source_agent"] = self.sources[i]
+            if i in self.corrections:
+                entry.update(self.corrections[i])
             segs.append(entry)
         self.meta.update(
             method=self.method.name,
             workflow=self.spec.workflow,
             agent=self.spec.agent,
             prompt_tokens=self.prompt_len,
-            computed_tokens=self.computed_tokens,
+            computed_tokens=self.computed_tokens + self.spec.reference_tokens,
+            reference_tokens=self.spec.reference_tokens,
             reused_tokens=max(self.prompt_len - self.computed_tokens, 0),
             injected_tokens=injected_total,
+            corrections_accepted=sum(m == "corrected" for m in self.modes.values()),
+            corrections_rejected=sum(m == "dense_fallback" for m in self.modes.values()),
             cached_tokens=self.first_prefix_len or 0,
             segments=segs,
         )
@@ -88,6 +107,28 @@ class PluginContext:
         self.args = args
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
+        self._correctors: dict[tuple[str, Optional[float]], Any] = {}
+        self.rope = None  # the model's RopeSpec, set at the first injection
+
+    def corrector(self, name: str, tau: Optional[float] = None):
+        """The process-wide corrector of method ``name`` (one per gate threshold ``tau``)."""
+        key = (name, tau)
+        if key not in self._correctors:
+            from sglang_kvshare.correction import create_corrector
+
+            overrides: dict[str, Any] = {}
+            if name.startswith("kvcmas"):
+                overrides = {"rank_base": self.args.rank, "rank_delta": self.args.rank,
+                             "num_anchors": self.args.num_anchors, "tau": self.args.tau}
+            if tau is not None and name != "graphflow":
+                overrides["tau"] = tau
+            if name == "kvcmas_plus":
+                overrides.pop("rank_base"), overrides.pop("rank_delta")
+            self._correctors[key] = create_corrector(name, **overrides)
+        return self._correctors[key]
+
+    def correction_stats(self) -> dict[str, Any]:
+        return {f"{n}@{t}" if t is not None else n: c.stats() for (n, t), c in self._correctors.items()}
 
     def state_of(self, req) -> Optional[ReqShareState]:
         """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""

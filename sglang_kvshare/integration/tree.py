@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
+from sglang_kvshare.integration.correction_path import observe_fallbacks
 from sglang_kvshare.integration.injection import kv_layers
 from sglang_kvshare.integration.state import context
 from sglang_kvshare.segments.sources import SourceRecord
@@ -69,6 +70,8 @@ class KVShareRadixCache(RadixCache):
             return
         spec = st.spec
         owned = req.owned_kv_len()
+        if st.pending:
+            observe_fallbacks(self, req, st, ctx.rope, owned)
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])

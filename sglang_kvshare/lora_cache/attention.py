@@ -6,10 +6,11 @@ so the ``[Tk, kv_dim]`` value delta ``LR_v B_v`` is never formed; ``P LR_v`` is 
 head.
 
 Key LR (QKVO adapters): the key cache holds post-RoPE base keys ``K_base = RoPE(X W_k)``; the
-agent's key is ``K = K_base + RoPE(LR_k B_k)`` with the rotation at each key's own position. Because the
-rotation sits between ``B_k`` and ``q``, the key delta is expanded from rank r and rotated before
-the scores are formed (``expand_key_lr``); here for the whole sequence, tile by tile in the Triton
-kernel (``kernels/flash_lora_attention.py``).
+agent's key is ``K = K_base + RoPE(LR_k B_k)`` with the rotation at each key's own position
+(RoPE is linear). Because the rotation sits between ``B_k`` and ``q``, the key delta is expanded
+from rank r and rotated before the scores are formed (``expand_key_lr``): here for the whole
+sequence, tile by tile in the Triton kernel (``kernels/flash_lora_attention.py``). The agent's q
+and o adapters act on its own new tokens only (query side, output side) and need no cache.
 
 GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)`` and, for the delta, columns
 ``[g * D, (g + 1) * D)`` of ``B``. All math runs in float32; outputs have ``q.dtype``.

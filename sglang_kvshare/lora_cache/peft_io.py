@@ -38,5 +38,6 @@ def load_peft_adapter(
         if m:
             parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t.to(dtype)
     return {
-        key: LoRAProjection.from_peft(ab["A"], ab["B"], scaling) for key, ab in sorted(parts.items())
+        key: LoRAProjection.from_peft(ab["A"], ab["B"], scaling)
+        for key, ab in sorted(parts.items())
     }

@@ -11,12 +11,19 @@ class MethodSpec:
 
     injects: PH segments whose source cache exists are injected instead of computed.
     corrector: name in ``sglang_kvshare.correction`` applied to injected caches (None: as is).
+    chained: the correction starts from the source agent's materialised cache; otherwise from a
+        context-free reference cache of the segment, which costs one extra prefill per segment.
     """
 
     name: str
     injects: bool
     description: str
     corrector: str | None = None
+    chained: bool = True
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.corrector is not None and not self.chained
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -27,6 +34,39 @@ METHODS: dict[str, MethodSpec] = {
             "fullshared",
             True,
             "inject the source agent's cache of each shared segment, RoPE re-aligned, uncorrected",
+        ),
+        MethodSpec(
+            "kvcmas",
+            True,
+            "KVCMAS: low-rank anchor pools, entropy gate, chained correction along the workflow",
+            corrector="kvcmas",
+        ),
+        MethodSpec(
+            "kvcmas_nonchained",
+            True,
+            "KVCMAS ablation: the same anchors relative to a context-free reference (not chained)",
+            corrector="kvcmas_nonchained",
+            chained=False,
+        ),
+        MethodSpec(
+            "kvcmas_plus",
+            True,
+            "KVCMAS with ranks chosen by retained energy and a per-edge systematic delta (ours)",
+            corrector="kvcmas_plus",
+        ),
+        MethodSpec(
+            "kvcomm",
+            True,
+            "KVComm: full-dimensional anchors (V=20) relative to a context-free reference, not chained",
+            corrector="kvcomm",
+            chained=False,
+        ),
+        MethodSpec(
+            "graphflow",
+            True,
+            "GraphFlow: one correction per recurring (slot, source, target) relation, no matching",
+            corrector="graphflow",
+            chained=False,
         ),
     )
 }

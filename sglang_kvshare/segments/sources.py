@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+# The agent name under which a workflow's context-free reference caches are recorded.
+REFERENCE_AGENT = "__reference__"
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     agent: str
@@ -44,12 +48,17 @@ class SourceRegistry:
     def lookup(
         self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None
     ) -> Optional[SourceRecord]:
-        """The record of ``agent`` for the slot, or the most recent one not by ``exclude``."""
+        """The record of ``agent`` for the slot, or the most recent agent's one not by ``exclude``.
+
+        Reference records are returned only when asked for by name (``REFERENCE_AGENT``).
+        """
         recs = self._flows.get(workflow, {}).get(slot, [])
         for rec in reversed(recs):
-            if agent is not None and rec.agent != agent:
+            if agent is not None:
+                if rec.agent == agent:
+                    return rec
                 continue
-            if agent is None and exclude is not None and rec.agent == exclude:
+            if rec.agent == REFERENCE_AGENT or (exclude is not None and rec.agent == exclude):
                 continue
             return rec
         return None

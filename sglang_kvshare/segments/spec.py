@@ -34,6 +34,7 @@ class KVShareAnnotation:
     # slot -> agent whose cache of that slot is the source (default: the most recent one)
     sources: Mapping[str, str] = field(default_factory=dict)
     recompute_ratio: Optional[float] = None
+    tau: Optional[float] = None
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -47,7 +48,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     """Validate a JSON ``kvshare`` object; raises :class:`AnnotationError` on any defect."""
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
-    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio"}
+    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -106,6 +107,9 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0
     ):
         raise AnnotationError(f"kvshare.recompute_ratio must be a number in [0, 1], got {ratio!r}")
+    tau = raw.get("tau")
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0):
+        raise AnnotationError(f"kvshare.tau must be a number in [0, 1], got {tau!r}")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -113,6 +117,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         segments=tuple(segments),
         sources=dict(sources),
         recompute_ratio=None if ratio is None else float(ratio),
+        tau=None if tau is None else float(tau),
     )
 
 
@@ -176,6 +181,9 @@ class WireSpec:
     spans: tuple[Span, ...]
     sources: Mapping[str, str] = field(default_factory=dict)
     recompute_ratio: Optional[float] = None
+    tau: Optional[float] = None
+    # tokens prefilled for this request's context-free reference caches (charged to it)
+    reference_tokens: int = 0
 
     @property
     def namespace(self) -> str:

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.kv_correct import kv_correct, kv_correct_reference, kv_correct_triton  # noqa: E402
+from sglang_kvshare.kernels.kv_correct import kv_correct, kv_correct_reference, kv_correct_triton  # noqa: E402
 from sglang_kvshare.lowrank import LowRank  # noqa: E402
 from sglang_kvshare.rope import RopeSpec, inv_freq_for  # noqa: E402
 

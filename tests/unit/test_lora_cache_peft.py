@@ -1,5 +1,5 @@
-"""Trained adapters in adapters/ through the LR cache: PEFT layout and scaling, and LR-split attention
-equal to PEFT's own attention on the real SmolLM2 model (layer 0)."""
+"""Trained adapters in adapters/ through the LR cache: PEFT layout and scaling, and LR-split
+attention equal to PEFT's own attention on the real SmolLM2 model (layer 0)."""
 
 from pathlib import Path
 
