@@ -117,6 +117,7 @@ def _inject_pending(scheduler) -> None:
         elif n > 0:
             corrector = ctx.corrector(st.method.corrector, st.spec.tau)
             result = correct_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler), corrector)
+            st.anchor_bytes = corrector.nbytes()
         if result is None:
             st.modes[i] = "dense_fallback" if i in st.pending else "computed"
         else:

@@ -34,6 +34,7 @@ class ReqShareState:
     # per span index: what a dense fallback must report to the corrector once its KV exists
     pending: dict[int, Any] = field(default_factory=dict)
     first_prefix_len: Optional[int] = None
+    anchor_bytes: Optional[int] = None  # bytes of the method's correction state, last seen
     computed_tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -97,6 +98,8 @@ class ReqShareState:
             cached_tokens=self.first_prefix_len or 0,
             segments=segs,
         )
+        if self.anchor_bytes is not None:
+            self.meta["anchor_bytes"] = self.anchor_bytes
         return self.meta
 
 

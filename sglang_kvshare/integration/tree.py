@@ -63,15 +63,15 @@ class KVShareRadixCache(RadixCache):
         st = ctx.forget(req)
         if st is None:
             return
-        st.refresh_meta()
-        if not checkpointed or not req.finished() or req.finished_reason is None:
-            return
-        if type(req.finished_reason).__name__ == "FINISH_ABORT":
+        finished = checkpointed and req.finished() and req.finished_reason is not None
+        if not finished or type(req.finished_reason).__name__ == "FINISH_ABORT":
+            st.refresh_meta()
             return
         spec = st.spec
         owned = req.owned_kv_len()
         if st.pending:
             observe_fallbacks(self, req, st, ctx.rope, owned)
+        st.refresh_meta()
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
