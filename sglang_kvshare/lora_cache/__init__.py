@@ -2,7 +2,7 @@
 
 See ``base`` for the decomposition and layouts, ``attention`` for the Flash-LoRA-Attention
 reference, ``schedules`` for what ``prelr_shared`` / ``rebase_shared`` write, and
-``kernels/flash_lora_attention.py`` for the Triton kernel.
+``sglang_kvshare/kernels/flash_lora_attention.py`` for the Triton kernel.
 """
 
 from sglang_kvshare.lora_cache.attention import (

@@ -9,7 +9,7 @@ Key LR (QKVO adapters): the key cache holds post-RoPE base keys ``K_base = RoPE(
 agent's key is ``K = K_base + RoPE(LR_k B_k)`` with the rotation at each key's own position
 (RoPE is linear). Because the rotation sits between ``B_k`` and ``q``, the key delta is expanded
 from rank r and rotated before the scores are formed (``expand_key_lr``): here for the whole
-sequence, tile by tile in the Triton kernel (``kernels/flash_lora_attention.py``). The agent's q
+sequence, tile by tile in the Triton kernel (``sglang_kvshare/kernels/flash_lora_attention.py``). The agent's q
 and o adapters act on its own new tokens only (query side, output side) and need no cache.
 
 GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)`` and, for the delta, columns

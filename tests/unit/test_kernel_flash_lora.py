@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from kernels import flash_lora_attention as fla  # noqa: E402
+from sglang_kvshare.kernels import flash_lora_attention as fla  # noqa: E402
 from sglang_kvshare.lora_cache import LoRAProjection, lora_attention_naive, lr_values  # noqa: E402
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys  # noqa: E402
 
