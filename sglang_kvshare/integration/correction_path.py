@@ -37,12 +37,12 @@ class PendingObservation:
 def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
     idx = idx.to(torch.int64)
-    ks, vs = [], []
-    for k_buf, v_buf in kv_layers(pool):
-        k = shift_keys(k_buf[idx], -start, rope)  # [n, H, D]
-        ks.append(k.reshape(k.shape[0], -1))
-        vs.append(v_buf[idx].reshape(len(idx), -1))
-    return SegmentKV(torch.stack(ks), torch.stack(vs))
+    layers = list(kv_layers(pool))
+    k = torch.stack([k_buf[idx] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
+    n, L, H, D = k.shape
+    k = shift_keys(k.reshape(n, L * H, D), -start, rope).reshape(n, L, H * D).transpose(0, 1)
+    v = torch.stack([v_buf[idx].reshape(n, H * D) for _, v_buf in layers])
+    return SegmentKV(k.contiguous(), v)
 
 
 @torch.no_grad()
@@ -50,10 +50,13 @@ def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: Ro
     """Write canonical ``kv`` (first ``len(dst)`` rows) into slots ``dst`` at position ``start``."""
     dst = dst.to(torch.int64)
     n = len(dst)
-    for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
-        shape = (n,) + tuple(k_buf.shape[1:])
-        k_buf[dst] = shift_keys(kv.k[layer, :n].reshape(shape).to(k_buf.dtype), start, rope)
-        v_buf[dst] = kv.v[layer, :n].reshape(shape).to(v_buf.dtype)
+    layers = list(kv_layers(pool))
+    H, D = layers[0][0].shape[1:]
+    k = kv.k[:, :n].transpose(0, 1).reshape(n, len(layers) * H, D)
+    k = shift_keys(k.to(layers[0][0].dtype), start, rope).reshape(n, len(layers), H, D)
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        k_buf[dst] = k[:, layer]
+        v_buf[dst] = kv.v[layer, :n].reshape(n, H, D).to(v_buf.dtype)
 
 
 def _gather_record(scheduler, rec: SourceRecord, n: int, rope: RopeSpec) -> Optional[SegmentKV]:

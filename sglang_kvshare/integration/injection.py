@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
 
 from sglang_kvshare.kernels.kv_correct import kv_correct
-from sglang_kvshare.rope import RopeSpec, inv_freq_for
+from sglang_kvshare.rope import RopeSpec, inv_freq_for, shift_keys
 from sglang_kvshare.segments import Span
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -97,11 +97,27 @@ def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: in
         if dst is None:
             return None
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        for k_buf, v_buf in kv_layers(pool):
-            kv_correct(k_buf, v_buf, src_idx.to(torch.int64), dst.to(torch.int64), span.start - rec.start, rope)
+        src, dst64, delta = src_idx.to(torch.int64), dst.to(torch.int64), span.start - rec.start
+        if src.is_cuda:
+            for k_buf, v_buf in kv_layers(pool):
+                kv_correct(k_buf, v_buf, src, dst64, delta, rope)
+        else:
+            copy_all_layers(pool, src, dst64, delta, rope)
     finally:
         tree.unlock(lock)
     return InjectResult(num_tokens=len(src_idx), source_agent=rec.agent, dst=dst)
+
+
+@torch.no_grad()
+def copy_all_layers(pool, src: torch.Tensor, dst: torch.Tensor, delta: int, rope: RopeSpec) -> None:
+    """Torch path of the injection copy: one RoPE rotation for all layers' keys at once."""
+    layers = list(kv_layers(pool))
+    keys = torch.stack([k_buf[src] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
+    n, L, H, D = keys.shape
+    keys = shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D)
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        k_buf[dst] = keys[:, layer]
+        v_buf[dst] = v_buf[src]
 
 
 def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:

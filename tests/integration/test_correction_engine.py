@@ -15,10 +15,12 @@ def _question(seed: int) -> str:
     return f"Question: {facts} How many red apples are in box {rng.randint(0, 19)}?"
 
 
-def _workflow(server, wf, method, question, agents=("solver", "critic", "final"), **extra):
+def _workflow(server, wf, method, question, agents=("solver", "critic", "final"), slot="q", **extra):
+    """Run the agents in order; the anchor pools are per slot, so each test names its own slot."""
     outputs, metas = {}, []
     for agent in agents:
-        r = server.generate(payload(wf, agent, method, segments(agent, outputs, question=question), 6, **extra))
+        segs = segments(agent, outputs, question=question, slot=slot)
+        r = server.generate(payload(wf, agent, method, segs, 6, **extra))
         assert r.status_code == 200, r.text
         out = r.json()
         metas.append(out["meta_info"]["kvshare"])
@@ -27,7 +29,7 @@ def _workflow(server, wf, method, question, agents=("solver", "critic", "final")
     return metas
 
 
-def _err(server, wf_a, wf_b, agent, slot="q"):
+def _err(server, wf_a, wf_b, agent, slot):
     from sglang_kvshare.integration.tree import _safe
 
     def load(wf):
@@ -41,13 +43,13 @@ def _err(server, wf_a, wf_b, agent, slot="q"):
 def test_kvcmas_falls_back_then_corrects_and_chains(tiny_server):
     # two workflows with different questions: every edge is a dense fallback and adds an anchor
     for seed in (1, 2):
-        metas = _workflow(tiny_server, f"kvcmas-warm-{seed}", "kvcmas", _question(seed), tau=1.0)
+        metas = _workflow(tiny_server, f"kvcmas-warm-{seed}", "kvcmas", _question(seed), slot="q-chain", tau=1.0)
         assert metas[0]["computed_tokens"] == metas[0]["prompt_tokens"]  # first agent: dense
         q = metas[1]["segments"][1]
         assert q["mode"] == "dense_fallback" and q["gate"] == "few_anchors"
     assert metas[-1]["anchor_bytes"] > 0
     # a third question: two compatible anchors now, tau = 1 accepts
-    metas = _workflow(tiny_server, "kvcmas-run", "kvcmas", _question(3), tau=1.0)
+    metas = _workflow(tiny_server, "kvcmas-run", "kvcmas", _question(3), slot="q-chain", tau=1.0)
     critic, final = metas[1], metas[2]
     q = critic["segments"][1]
     assert q["mode"] == "corrected" and q["gate"] == "accepted" and q["anchors"] == 2
@@ -64,8 +66,8 @@ def test_kvcmas_falls_back_then_corrects_and_chains(tiny_server):
 
 def test_a_strict_gate_rejects_and_computes_densely(tiny_server):
     for seed in (11, 12):
-        _workflow(tiny_server, f"strict-warm-{seed}", "kvcmas", _question(seed), ("solver", "critic"), tau=0.0)
-    metas = _workflow(tiny_server, "strict-run", "kvcmas", _question(13), ("solver", "critic"), tau=0.0)
+        _workflow(tiny_server, f"strict-warm-{seed}", "kvcmas", _question(seed), ("solver", "critic"), slot="q-strict", tau=0.0)
+    metas = _workflow(tiny_server, "strict-run", "kvcmas", _question(13), ("solver", "critic"), slot="q-strict", tau=0.0)
     q = metas[1]["segments"][1]
     assert q["mode"] == "dense_fallback" and q["gate"] in ("entropy", "few_anchors")
     assert metas[1]["computed_tokens"] == metas[1]["prompt_tokens"]
@@ -75,29 +77,29 @@ def test_kvcmas_corrects_better_than_fullshared_with_a_near_anchor(tiny_server):
     # anchors from questions 21 and 22; then question 21 again: the matching anchor's delta is
     # the true one, so the corrected cache must be closer to dense than the uncorrected source
     for seed in (21, 22):
-        _workflow(tiny_server, f"near-warm-{seed}", "kvcmas", _question(seed), ("solver", "critic"), tau=1.0)
+        _workflow(tiny_server, f"near-warm-{seed}", "kvcmas", _question(seed), ("solver", "critic"), "q-near", tau=1.0)
     for wf, method in (("near-kvcmas", "kvcmas"), ("near-full", "fullshared"), ("near-dense", "nonshared")):
-        metas = _workflow(tiny_server, wf, method, _question(21), ("solver", "critic"), tau=1.0)
-    err_kvcmas = _err(tiny_server, "near-kvcmas", "near-dense", "critic")
-    err_full = _err(tiny_server, "near-full", "near-dense", "critic")
+        _workflow(tiny_server, wf, method, _question(21), ("solver", "critic"), "q-near", tau=1.0)
+    err_kvcmas = _err(tiny_server, "near-kvcmas", "near-dense", "critic", "q-near")
+    err_full = _err(tiny_server, "near-full", "near-dense", "critic", "q-near")
     assert err_full > 1e-3
     assert err_kvcmas < 0.5 * err_full
 
 
 def test_kvcomm_prefills_references_and_corrects_the_first_agent(tiny_server):
-    first = _workflow(tiny_server, "kvcomm-0", "kvcomm", _question(31), ("solver",), tau=1.0)[0]
+    first = _workflow(tiny_server, "kvcomm-0", "kvcomm", _question(31), ("solver",), "q-kvcomm", tau=1.0)[0]
     assert first["reference_tokens"] > 0
     assert first["computed_tokens"] == first["prompt_tokens"] + first["reference_tokens"]
     for seed in (32, 33):
-        _workflow(tiny_server, f"kvcomm-{seed}", "kvcomm", _question(seed), ("solver",), tau=1.0)
-    meta = _workflow(tiny_server, "kvcomm-run", "kvcomm", _question(34), ("solver",), tau=1.0)[0]
+        _workflow(tiny_server, f"kvcomm-{seed}", "kvcomm", _question(seed), ("solver",), "q-kvcomm", tau=1.0)
+    meta = _workflow(tiny_server, "kvcomm-run", "kvcomm", _question(34), ("solver",), "q-kvcomm", tau=1.0)[0]
     q = meta["segments"][1]
     assert q["mode"] == "corrected" and q["source_agent"] == "__reference__"  # non-chained
     assert meta["computed_tokens"] == private_tokens(meta) + meta["reference_tokens"]
 
 
 def test_graphflow_applies_a_recorded_relation_without_matching(tiny_server):
-    _workflow(tiny_server, "gf-0", "graphflow", _question(41), ("solver", "critic"))
-    metas = _workflow(tiny_server, "gf-1", "graphflow", _question(42), ("solver", "critic"))
+    _workflow(tiny_server, "gf-0", "graphflow", _question(41), ("solver", "critic"), "q-gf")
+    metas = _workflow(tiny_server, "gf-1", "graphflow", _question(42), ("solver", "critic"), "q-gf")
     q = metas[1]["segments"][1]
     assert q["mode"] == "corrected" and q["anchors"] == 0 and q["entropy"] is None

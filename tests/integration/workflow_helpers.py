@@ -13,10 +13,12 @@ SYSTEM = {
 }
 
 
-def segments(agent: str, outputs: dict[str, str], system: str | None = None, question: str = QUESTION) -> list[dict]:
+def segments(
+    agent: str, outputs: dict[str, str], system: str | None = None, question: str = QUESTION, slot: str = "q"
+) -> list[dict]:
     segs = [
         {"text": f"<|im_start|>system\n{system or SYSTEM[agent]}<|im_end|>\n<|im_start|>user\n", "shared": False},
-        {"text": question, "shared": True, "slot": "q"},
+        {"text": question, "shared": True, "slot": slot},
     ]
     for prev, text in outputs.items():
         segs.append({"text": f"\n{prev} wrote: ", "shared": False})

@@ -1,0 +1,596 @@
+"""KVCMAS fidelity benchmark: how close is each sharing method's cache and output to dense prefill?
+
+A four-agent sequential workflow (three role agents, then the final reflecting agent, roles from
+``sglang_kvshare.workflows.get_roles(dataset)``) runs over ``--tasks`` tasks of a packaged dataset
+on a real server (``sglang_kvshare.launch_server``, SmolLM2-135M-Instruct, CPU, float32), once per
+method. Every turn of an approximate method is paired with a SHADOW: the identical segments sent
+with method ``nonshared`` under a separate shadow workflow id, so the shadow's cache is the dense,
+exact cache of exactly the same prompt. The shadow is sent immediately BEFORE its real turn (it
+is independent of it: other workflow, no injection, no corrector state) so that the real turn can
+ask for its first-token logprobs on exactly the dense top-20 ids (``token_ids_logprob``).
+
+Per method (see ``aggregate``):
+
+- ``rho``: reused shared tokens / shared tokens over the non-first agents, a shared token being
+  reused when its segment's mode is ``injected`` or ``corrected`` (``injected_tokens`` of the
+  segment); ``rho_all`` counts the first agent too (non-chained methods may correct its ``q`` from
+  the context-free reference).
+- ``kv_err``: ``||C_hat - C||_F / ||C||_F`` of each reused (injected/corrected) segment, C = K and
+  V of all layers of that segment in the shadow's dump, C_hat the same in the real request's dump
+  (``--kvshare-dump-dir``: same workflow/agent/slot layout, same tokens at the same positions,
+  checked). ``mean`` over segments and ``pooled`` (sqrt of summed squared error over summed
+  squared norm); also K and V alone, and the same over ALL shared segments (dense fallbacks and
+  computed segments after an approximate prefix carry propagated error).
+- ``kl``: KL(dense || approx) in nats of the first generated token: support = the shadow's top-20
+  ids plus one lumped "rest" outcome (1 - sum of the listed probabilities, for each side); the
+  approximate side's logprobs are those of exactly these ids (``token_ids_logprob``). A lower
+  bound of the full-vocabulary KL. ``top1``: same argmax first token.
+- greedy agreement with the shadow (temperature 0): ``exact``: identical generated text;
+  ``lead``: identical leading tokens / length of the longer output.
+- ``anchor_bytes``: the largest ``meta_info.kvshare.anchor_bytes`` seen (bytes of the method's
+  correction state); None when the server never reported it.
+- computed tokens (sum, and per agent position; includes ``reference_tokens``), corrections
+  accepted / rejected, gate reasons, and the final agent's task accuracy (``score_output``).
+
+``nonshared`` is exact by construction; its shadows run only for the first ``--sanity-tasks``
+tasks as a determinism check (expected: KL 0, exact 1).
+
+``--tau-sweep 0.1,0.3,...`` re-runs ``--sweep-methods`` (kvcmas, kvcomm) with per-request ``tau``
+on fresh workflow ids and a fresh server (fresh anchor pools), and plots rho against error.
+
+Usage (from the repository root):
+
+    .venv/bin/python -m benchmarks.fidelity --quick                 # 4 tasks, smoke run
+    .venv/bin/python -m benchmarks.fidelity                         # 40 MMLU tasks, 6 methods
+    .venv/bin/python -m benchmarks.fidelity --tau-sweep 0.1,0.3,0.5,0.7,0.9 --sweep-only --tasks 20
+
+Outputs: ``--out`` (results/fidelity.json, rewritten after every task), the plot next to it
+(``.png``; ``_tau.png`` for the sweep) and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from tqdm import tqdm
+
+from benchmarks.fidelity_metrics import (
+    REUSED_MODES,
+    common_prefix,
+    first_token_requested,
+    first_token_top,
+    kl_lumped,
+    kl_topk_union,
+    kv_error,
+    leading_agreement,
+    load_dump,
+    mean,
+    output_ids,
+    pooled,
+    reuse_counts,
+    safe_name,
+)
+from sglang_kvshare.workflows import get_roles, http_sender, load_tasks, run_task
+
+MAIN_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas_nonchained", "kvcomm", "graphflow")
+KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",)
+TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate
+TOPOLOGY = "sequential"
+TOP_K = 20
+
+
+# ----------------------------------------------------------------------------- one turn
+
+
+class ShadowedSender:
+    """A ``send`` for ``run_task``: per turn, the dense shadow (optional), then the real request,
+    both asking for first-token logprobs. Records raw replies in ``self.turns``."""
+
+    def __init__(self, send, method: str, shadow_workflow: str, tau: Optional[float], shadow: bool):
+        self.send = send
+        self.method = method
+        self.shadow_workflow = shadow_workflow
+        self.tau = tau
+        self.shadow = shadow
+        self.turns: List[Dict[str, Any]] = []
+
+    def __call__(self, payload: Dict[str, Any]) -> Dict[str, Any]:
+        logprob = {"return_logprob": True, "top_logprobs_num": TOP_K, "logprob_start_len": -1}
+        turn: Dict[str, Any] = {"payload": payload}
+        dense_ids: List[int] = []
+        if self.shadow:
+            sp = copy.deepcopy(payload)
+            sp["kvshare"]["workflow"] = self.shadow_workflow
+            sp["kvshare"]["method"] = "nonshared"
+            sp["kvshare"].pop("tau", None)
+            sp.update(logprob)
+            t0 = time.perf_counter()
+            turn["shadow"] = self.send(sp)
+            turn["shadow_latency_s"] = time.perf_counter() - t0
+            dense_ids = sorted(first_token_top(turn["shadow"]))
+        real = copy.deepcopy(payload)
+        if self.tau is not None and self.method in TAU_METHODS:
+            real["kvshare"]["tau"] = self.tau
+        real.update(logprob)
+        if dense_ids:
+            real["token_ids_logprob"] = dense_ids
+        t0 = time.perf_counter()
+        turn["real"] = self.send(real)
+        turn["latency_s"] = time.perf_counter() - t0
+        self.turns.append(turn)
+        return turn["real"]
+
+
+def _wait_file(path: Path, timeout: float = 15.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            return True
+        time.sleep(0.1)
+    return path.exists()
+
+
+def _segment_shape(kvshare: Dict[str, Any]) -> List[int]:
+    return [int(s.get("tokens", 0)) for s in kvshare.get("segments") or []]
+
+
+def analyse_turn(
+    position: int, turn: Dict[str, Any], workflow: str, shadow_workflow: str, dump_root: Optional[Path]
+) -> Dict[str, Any]:
+    """The measurements of one agent turn (and its shadow, when there is one)."""
+    real = turn["real"]
+    meta = real.get("meta_info") or {}
+    kv = meta.get("kvshare") or {}
+    agent = turn["payload"]["kvshare"]["agent"]
+    reused, shared = reuse_counts(kv)
+    rec: Dict[str, Any] = {
+        "position": position,
+        "agent": agent,
+        "text": real.get("text", ""),
+        "output_ids": output_ids(real),
+        "latency_s": round(turn["latency_s"], 3),
+        "prompt_tokens": kv.get("prompt_tokens"),
+        "computed_tokens": kv.get("computed_tokens"),
+        "reference_tokens": kv.get("reference_tokens", 0),
+        "reused_tokens": kv.get("reused_tokens"),
+        "injected_tokens": kv.get("injected_tokens"),
+        "corrections_accepted": kv.get("corrections_accepted", 0),
+        "corrections_rejected": kv.get("corrections_rejected", 0),
+        "anchor_bytes": kv.get("anchor_bytes"),
+        "shared_tokens": shared,
+        "shared_reused": reused,
+        "segments": [
+            {k: s.get(k) for k in ("slot", "tokens", "mode", "injected_tokens", "source_agent",
+                                   "gate", "entropy", "anchors", "corrected_rows") if k in s}
+            for s in kv.get("segments") or [] if s.get("shared")
+        ],
+    }
+    if "shadow" not in turn:
+        return rec
+    shadow = turn["shadow"]
+    skv = (shadow.get("meta_info") or {}).get("kvshare") or {}
+    rec["shadow_latency_s"] = round(turn["shadow_latency_s"], 3)
+    rec["shadow_text"] = shadow.get("text", "")
+    rec["prompt_match"] = (
+        skv.get("prompt_tokens") == kv.get("prompt_tokens") and _segment_shape(skv) == _segment_shape(kv)
+    )
+    # first-token distribution
+    p = first_token_top(shadow)
+    q_req = first_token_requested(real)
+    q_top = first_token_top(real)
+    kl = kl_lumped(p, q_req)
+    rec["kl_method"] = "token_ids_logprob"
+    if kl is None:
+        kl, rec["kl_method"] = kl_topk_union(p, q_top), "topk_union_bound"
+    rec["kl"] = kl
+    if p and q_top:
+        rec["top1_agree"] = max(p, key=p.get) == max(q_top, key=q_top.get)
+        rec["dense_rest_mass"] = max(1.0 - sum(math.exp(v) for v in p.values()), 0.0)
+    # greedy agreement
+    a_ids, d_ids = rec["output_ids"], output_ids(shadow)
+    rec["exact_match"] = rec["text"] == rec["shadow_text"]
+    rec["lead_agree"] = leading_agreement(a_ids, d_ids)
+    rec["common_prefix"] = common_prefix(a_ids, d_ids)
+    # KV error of every shared segment (reused ones and the rest)
+    if dump_root is not None:
+        errs = []
+        for seg in kv.get("segments") or []:
+            if not seg.get("shared"):
+                continue
+            slot = seg["slot"]
+            fa = dump_root / safe_name(workflow) / safe_name(agent) / f"{safe_name(slot)}.pt"
+            fd = dump_root / safe_name(shadow_workflow) / safe_name(agent) / f"{safe_name(slot)}.pt"
+            entry: Dict[str, Any] = {"slot": slot, "mode": seg.get("mode"), "tokens": seg.get("tokens")}
+            if not (_wait_file(fa) and _wait_file(fd)):
+                entry["missing"] = True
+            else:
+                e = kv_error(load_dump(fa), load_dump(fd))
+                if e is None:
+                    entry["mismatch"] = True
+                else:
+                    entry.update({k: e[k] for k in ("rel", "k_rel", "v_rel", "diff2", "ref2",
+                                                    "k_diff2", "k_ref2", "v_diff2", "v_ref2")})
+            errs.append(entry)
+        rec["seg_errors"] = errs
+    return rec
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def run_one(
+    send, task, roles, label: str, method: str, tau: Optional[float], tag: str, max_new_tokens: int,
+    shadow: bool, dump_root: Optional[Path], keep_dumps: bool,
+) -> Dict[str, Any]:
+    workflow = f"fid:{tag}:{label}:{task.id}"
+    shadow_workflow = f"fidshadow:{tag}:{label}:{task.id}"
+    sender = ShadowedSender(send, method, shadow_workflow, tau, shadow)
+    t0 = time.perf_counter()
+    record = run_task(task, roles, TOPOLOGY, method, sender, max_new_tokens, workflow_id=workflow)
+    wall = time.perf_counter() - t0
+    turns = [analyse_turn(i, t, workflow, shadow_workflow, dump_root) for i, t in enumerate(sender.turns)]
+    if dump_root is not None and not keep_dumps:
+        for wf in (workflow, shadow_workflow):
+            shutil.rmtree(dump_root / safe_name(wf), ignore_errors=True)
+    return {
+        "task_id": task.id,
+        "method": method,
+        "tau": tau,
+        "label": label,
+        "workflow": workflow,
+        "shadowed": shadow,
+        "reference": task.reference,
+        "final_output": record.final_output,
+        "correct": bool(record.score.correct),
+        "predicted": record.score.predicted,
+        "wall_s": round(wall, 2),
+        "turns": turns,
+    }
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _errs(runs, positions=None, modes=REUSED_MODES):
+    out = []
+    for r in runs:
+        for t in r["turns"]:
+            if positions is not None and t["position"] not in positions:
+                continue
+            for e in t.get("seg_errors") or []:
+                if "rel" in e and (modes is None or e["mode"] in modes):
+                    out.append(e)
+    return out
+
+
+def _r(x, nd=4):
+    return None if x is None else round(x, nd)
+
+
+def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per-method summary of ``run_one`` records of one label (method[@tau])."""
+    ok = [r for r in runs if "error" not in r]
+    turns = [t for r in ok for t in r["turns"]]
+    later = [t for t in turns if t["position"] > 0]
+    positions = sorted({t["position"] for t in turns})
+    shadowed = [t for t in turns if "kl" in t]
+    s_later = [t for t in shadowed if t["position"] > 0]
+    reused = _errs(ok)
+    all_shared = _errs(ok, modes=None)
+    gates = Counter(s.get("gate") for t in turns for s in t["segments"] if s.get("gate"))
+    modes = Counter(s.get("mode") for t in later for s in t["segments"])
+    anchor = [t["anchor_bytes"] for t in turns if t.get("anchor_bytes") is not None]
+
+    def ratio(ts):
+        tot = sum(t["shared_tokens"] for t in ts)
+        return _r(sum(t["shared_reused"] for t in ts) / tot) if tot else None
+
+    return {
+        "tasks": len(ok),
+        "failed_tasks": len(runs) - len(ok),
+        "turns": len(turns),
+        "shadowed_turns": len(shadowed),
+        "rho": ratio(later),
+        "rho_all": ratio(turns),
+        "rho_by_position": {p: ratio([t for t in turns if t["position"] == p]) for p in positions},
+        "reused_segments": len(reused),
+        "kv_err_mean": _r(mean(e["rel"] for e in reused)),
+        "kv_err_pooled": _r(pooled(reused)),
+        "kv_err_k_pooled": _r(pooled(reused, "k_")),
+        "kv_err_v_pooled": _r(pooled(reused, "v_")),
+        "kv_err_max": _r(max((e["rel"] for e in reused), default=None)),
+        "kv_err_all_shared_mean": _r(mean(e["rel"] for e in all_shared)),
+        "kv_err_all_shared_pooled": _r(pooled(all_shared)),
+        "kv_err_by_position": {p: _r(pooled(_errs(ok, {p}))) for p in positions},
+        "dump_missing_or_mismatch": sum(
+            1 for t in turns for e in t.get("seg_errors") or [] if "missing" in e or "mismatch" in e
+        ),
+        "prompt_mismatch_turns": sum(1 for t in shadowed if not t.get("prompt_match", True)),
+        "kl_mean": _r(mean(t["kl"] for t in shadowed), 5),
+        "kl_mean_later": _r(mean(t["kl"] for t in s_later), 5),
+        "kl_max": _r(max((t["kl"] for t in shadowed if t["kl"] is not None), default=None), 5),
+        "kl_by_position": {p: _r(mean(t["kl"] for t in shadowed if t["position"] == p), 5) for p in positions},
+        "kl_methods": dict(Counter(t.get("kl_method") for t in shadowed)),
+        "dense_rest_mass_mean": _r(mean(t.get("dense_rest_mass") for t in shadowed), 5),
+        "top1_agree": _r(mean(float(t["top1_agree"]) for t in shadowed if "top1_agree" in t)),
+        "exact_match": _r(mean(float(t["exact_match"]) for t in shadowed)),
+        "exact_match_later": _r(mean(float(t["exact_match"]) for t in s_later)),
+        "lead_agree": _r(mean(t["lead_agree"] for t in shadowed)),
+        "lead_agree_later": _r(mean(t["lead_agree"] for t in s_later)),
+        "anchor_bytes": max(anchor) if anchor else None,
+        "anchor_bytes_reported_turns": len(anchor),
+        "computed_tokens": sum(t["computed_tokens"] or 0 for t in turns),
+        "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in turns),
+        "reference_tokens": sum(t["reference_tokens"] or 0 for t in turns),
+        "computed_by_position": {p: sum(t["computed_tokens"] or 0 for t in turns if t["position"] == p) for p in positions},
+        "corrections_accepted": sum(t["corrections_accepted"] for t in turns),
+        "corrections_rejected": sum(t["corrections_rejected"] for t in turns),
+        "gates": dict(gates),
+        "modes_later": dict(modes),
+        "accuracy": _r(mean(float(r["correct"]) for r in ok)),
+        "mean_turn_latency_s": _r(mean(t["latency_s"] for t in turns), 3),
+    }
+
+
+def markdown_table(summary: Dict[str, Dict[str, Any]]) -> str:
+    cols = [
+        ("method", None), ("rho", "rho"), ("KV err mean", "kv_err_mean"), ("KV err pooled", "kv_err_pooled"),
+        ("KV err all-shared", "kv_err_all_shared_pooled"), ("KL mean", "kl_mean"), ("top1", "top1_agree"),
+        ("exact", "exact_match"), ("lead", "lead_agree"), ("computed", "computed_tokens"),
+        ("acc/rej", None), ("anchor bytes", "anchor_bytes"), ("accuracy", "accuracy"), ("tasks", "tasks"),
+    ]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
+    for label, s in summary.items():
+        row = []
+        for name, key in cols:
+            if name == "method":
+                row.append(label)
+            elif name == "acc/rej":
+                row.append(f"{s['corrections_accepted']}/{s['corrections_rejected']}")
+            else:
+                v = s.get(key)
+                row.append("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(summary)
+    x = range(len(labels))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * 2), 4.5))
+    panels = [
+        ("kv_err_pooled", "kv_err_mean", "normalized KV error of reused segments"),
+        ("kl_mean", None, "KL(dense || approx), first token (nats)"),
+    ]
+    for ax, (key, key2, title) in zip(axes, panels):
+        vals = [summary[m].get(key) or 0.0 for m in labels]
+        bars = ax.bar(x, vals, color="tab:blue", label="pooled" if key2 else "mean")
+        if key2:
+            ax.scatter(x, [summary[m].get(key2) or 0.0 for m in labels], color="tab:red", zorder=3,
+                       label="mean over segments")
+            ax.legend(fontsize=8)
+        top = max(vals + [1e-9])
+        for b, m in zip(bars, labels):
+            rho = summary[m].get("rho")
+            ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.02 * top,
+                    "rho=-" if rho is None else f"rho={rho:.2f}", ha="center", fontsize=8)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, top * 1.18)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(sweep: Dict[str, Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_method: Dict[str, List] = defaultdict(list)
+    for label, s in sweep.items():
+        method, tau = label.split("@")
+        by_method[method].append((float(tau), s))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, key, title in ((axes[0], "kv_err_all_shared_pooled", "KV error, all shared segments (pooled)"),
+                           (axes[1], "kl_mean", "first-token KL(dense || approx)")):
+        for method, pts in sorted(by_method.items()):
+            pts.sort()
+            xs = [s.get("rho") or 0.0 for _, s in pts]
+            ys = [s.get(key) or 0.0 for _, s in pts]
+            ax.plot(xs, ys, "o-", label=method)
+            for (tau, _), xx, yy in zip(pts, xs, ys):
+                ax.annotate(f"tau={tau:g}", (xx, yy), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("reuse ratio rho (non-first agents)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+class Backend:
+    """The server: started here (with a dump dir) or attached to (``--server-url``)."""
+
+    def __init__(self, args, workdir: Path, name: str):
+        self.server = None
+        if args.server_url:
+            self.url = args.server_url
+            self.dump_root = Path(args.dump_dir) if args.dump_dir else None
+            return
+        from sglang_kvshare.assets import ensure_default_model
+        from tests.integration.server import kvshare_server
+
+        self.dump_root = workdir / f"dumps-{name}"
+        self.log_path = workdir / f"server-{name}.log"
+        flags = ["--kvshare-dump-dir", str(self.dump_root), "--max-total-tokens", str(args.max_total_tokens),
+                 "--kvshare-tau", str(args.tau)]
+        print(f"starting server ({name}), log {self.log_path}", flush=True)
+        t0 = time.time()
+        self.server = kvshare_server(str(ensure_default_model()), self.log_path, *flags,
+                                     timeout=args.server_timeout)
+        self.url = self.server.url
+        print(f"server up at {self.url} in {time.time() - t0:.0f}s", flush=True)
+
+    def alive(self) -> bool:
+        return self.server is None or self.server.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+def run_plan(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: str,
+             results: Dict[str, Any], section: str, save) -> None:
+    """Task-major loop over the (label, method, tau) of ``plan``; saves after every task."""
+    send = http_sender(backend.url, timeout=args.request_timeout)
+    runs: Dict[str, List] = results.setdefault(section + "_runs", {})
+    bar = tqdm(total=len(tasks) * len(plan), desc=section, unit="wf", dynamic_ncols=True)
+    for ti, task in enumerate(tasks):
+        for label, method, tau in plan:
+            shadow = method != "nonshared" or ti < args.sanity_tasks
+            bar.set_postfix_str(f"{label} {task.id}")
+            try:
+                rec = run_one(send, task, roles, label, method, tau, tag, args.max_new_tokens, shadow,
+                              backend.dump_root, args.keep_dumps)
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                rec = {"task_id": task.id, "method": method, "tau": tau, "label": label, "error": repr(e)}
+                tqdm.write(f"[{label} {task.id}] failed: {e!r}")
+                if not backend.alive():
+                    raise RuntimeError("the server died; see its log") from e
+            runs.setdefault(label, []).append(rec)
+            bar.update(1)
+        results[section] = {label: aggregate(rs) for label, rs in runs.items()}
+        save()
+    bar.close()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", default="mmlu", help="mmlu | gsm8k | gpqa | humaneval (default mmlu)")
+    ap.add_argument("--tasks", type=int, default=40, help="tasks (default 40)")
+    ap.add_argument("--quick", action="store_true", help="4 tasks, smoke run")
+    ap.add_argument("--seed", type=int, default=0, help="task sampling seed of load_tasks")
+    ap.add_argument("--methods", default=",".join(MAIN_METHODS),
+                    help=f"comma list of {', '.join(KNOWN_METHODS)}")
+    ap.add_argument("--tau", type=float, default=0.3,
+                    help="gate threshold of the main run, sent per request to the gated methods")
+    ap.add_argument("--tau-sweep", default="", help="e.g. 0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--sweep-methods", default="kvcmas,kvcomm")
+    ap.add_argument("--sweep-tasks", type=int, default=None, help="tasks of the sweep (default --tasks)")
+    ap.add_argument("--sweep-only", action="store_true", help="skip the main run")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--sanity-tasks", type=int, default=2,
+                    help="tasks on which nonshared is shadowed too (determinism check)")
+    ap.add_argument("--out", default=None, help="JSON path (default results/fidelity.json, "
+                    "results/fidelity_tau.json with --sweep-only)")
+    ap.add_argument("--max-total-tokens", type=int, default=32768)
+    ap.add_argument("--server-url", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--dump-dir", default=None, help="its --kvshare-dump-dir (with --server-url)")
+    ap.add_argument("--workdir", default=None, help="server logs and dumps (default: a temp dir)")
+    ap.add_argument("--keep-dumps", action="store_true")
+    ap.add_argument("--server-timeout", type=float, default=900)
+    ap.add_argument("--request-timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks = min(args.tasks, 4)
+    methods = [m for m in args.methods.split(",") if m]
+    for m in methods + args.sweep_methods.split(","):
+        if m not in KNOWN_METHODS:
+            ap.error(f"unknown method {m!r}")
+    args.method_list = methods
+    args.taus = [float(t) for t in args.tau_sweep.split(",") if t]
+    if any(not 0.0 <= t <= 1.0 for t in args.taus + [args.tau]):
+        ap.error("tau must be in [0, 1]")
+    if args.sweep_only and not args.taus:
+        ap.error("--sweep-only needs --tau-sweep")
+    if args.out is None:
+        args.out = "results/fidelity_tau.json" if args.sweep_only else "results/fidelity.json"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvshare-fidelity-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    tasks = load_tasks(args.dataset, args.tasks, seed=args.seed)
+    roles = get_roles(args.dataset)
+    tag = uuid.uuid4().hex[:8]
+    results: Dict[str, Any] = {
+        "config": {
+            "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
+            "agents": [r.name for r in roles.roles], "methods": args.method_list, "tau": args.tau,
+            "tau_sweep": args.taus, "sweep_methods": args.sweep_methods.split(","),
+            "max_new_tokens": args.max_new_tokens, "top_k": TOP_K, "temperature": 0.0,
+            "max_total_tokens": args.max_total_tokens, "run_tag": tag, "workdir": str(workdir),
+            "argv": sys.argv[1:], "host": platform.node(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "notes": __doc__.split("Usage")[0].strip(),
+    }
+
+    def save():
+        results["config"]["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(out)
+
+    print(f"fidelity: {len(tasks)} {args.dataset} tasks, results -> {out}, workdir {workdir}", flush=True)
+    if not args.sweep_only and args.method_list:
+        backend = Backend(args, workdir, "main")
+        try:
+            # labels of the main run are the plain method names; its tau is in the config
+            plan = [(m, m, args.tau if m in TAU_METHODS else None) for m in args.method_list]
+            run_plan(args, backend, tasks, roles, plan, tag, results, "main", save)
+        finally:
+            backend.stop()
+        summary = results["main"]
+        plot_methods(summary, out.with_suffix(".png"))
+        print("\n" + markdown_table(summary) + "\n", flush=True)
+        print(f"plot: {out.with_suffix('.png')}", flush=True)
+    if args.taus:
+        sweep_tasks = tasks[: args.sweep_tasks] if args.sweep_tasks else tasks
+        backend = Backend(args, workdir, "sweep")  # fresh anchor pools
+        try:
+            plan = [(f"{m}@{t:g}", m, t) for t in args.taus for m in args.sweep_methods.split(",")]
+            run_plan(args, backend, sweep_tasks, roles, plan, tag, results, "tau_sweep", save)
+        finally:
+            backend.stop()
+        png = out.with_name(out.stem.replace("_tau", "") + "_tau.png")
+        plot_sweep(results["tau_sweep"], png)
+        print("\n" + markdown_table(results["tau_sweep"]) + "\n", flush=True)
+        print(f"plot: {png}", flush=True)
+    results["config"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Pure metric helpers of ``benchmarks.fidelity`` (no server, no SGLang import).
+
+Everything here works on plain ``/generate`` JSON replies and on the ``--kvshare-dump-dir`` files
+(``{"k", "v": [layers, n, kv_heads, head_dim] float32, "start", "token_ids", "meta"}``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+REUSED_MODES = ("injected", "corrected")
+
+
+def safe_name(name: str) -> str:
+    """Directory/file name of a workflow, agent or slot in the dump dir (mirrors
+    ``sglang_kvshare.integration.tree._safe``, which we do not import: it pulls in SGLang)."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def first_token_top(reply: Dict[str, Any]) -> Dict[int, float]:
+    """``{token_id: logprob}`` of the first generated token's top-k (``output_top_logprobs[0]``,
+    entries ``[logprob, token_id, text|None]``); {} when absent."""
+    meta = reply.get("meta_info") or {}
+    rows = meta.get("output_top_logprobs") or []
+    if not rows or not rows[0]:
+        return {}
+    return {int(e[1]): float(e[0]) for e in rows[0] if e is not None and e[0] is not None}
+
+
+def first_token_requested(reply: Dict[str, Any]) -> Dict[int, float]:
+    """``{token_id: logprob}`` of the first generated token for the ids asked for with
+    ``token_ids_logprob`` (``output_token_ids_logprobs[0]``); {} when absent."""
+    meta = reply.get("meta_info") or {}
+    rows = meta.get("output_token_ids_logprobs") or []
+    if not rows or not rows[0]:
+        return {}
+    return {int(e[1]): float(e[0]) for e in rows[0] if e is not None and e[0] is not None}
+
+
+def output_ids(reply: Dict[str, Any]) -> List[int]:
+    """Generated token ids: the reply's ``output_ids``, else from ``output_token_logprobs``."""
+    if reply.get("output_ids") is not None:
+        return [int(t) for t in reply["output_ids"]]
+    meta = reply.get("meta_info") or {}
+    return [int(e[1]) for e in meta.get("output_token_logprobs") or []]
+
+
+def kl_lumped(p: Dict[int, float], q: Dict[int, float], floor: float = 1e-12) -> Optional[float]:
+    """KL(P || Q) in nats over the support of P's top-k plus one lumped "rest" outcome.
+
+    ``p``: the dense distribution's top-k logprobs; ``q``: the approximate distribution's logprobs
+    on exactly those ids. The rest mass is ``1 - sum`` of each (clamped at ``floor``). This is the
+    KL of the coarse-grained distributions, a lower bound of the full-vocabulary KL (data
+    processing inequality); with k = 20 on a 49K vocabulary the lumped mass of P is usually small.
+    None when ``q`` lacks an id of ``p``.
+    """
+    if not p or any(t not in q for t in p):
+        return None
+    kl = 0.0
+    p_sum = q_sum = 0.0
+    for t, lp in p.items():
+        pp = math.exp(lp)
+        p_sum += pp
+        q_sum += math.exp(q[t])
+        kl += pp * (lp - q[t])
+    p_rest = max(1.0 - p_sum, 0.0)
+    q_rest = max(1.0 - q_sum, floor)
+    if p_rest > floor:
+        kl += p_rest * (math.log(p_rest) - math.log(q_rest))
+    return max(kl, 0.0)
+
+
+def kl_topk_union(p: Dict[int, float], q: Dict[int, float]) -> Optional[float]:
+    """Fallback KL(P || Q) when Q is only known on its own top-k: ids of P's top-k missing from
+    Q's get Q's smallest listed logprob (an upper bound of their true value), then ``kl_lumped``.
+    Used only when the server ignored ``token_ids_logprob``."""
+    if not p or not q:
+        return None
+    low = min(q.values())
+    return kl_lumped(p, {t: q.get(t, low) for t in p})
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def leading_agreement(approx: Sequence[int], dense: Sequence[int]) -> float:
+    """Identical leading tokens / the longer output's length (1.0 when both are empty)."""
+    longest = max(len(approx), len(dense))
+    return 1.0 if longest == 0 else common_prefix(approx, dense) / longest
+
+
+# ----------------------------------------------------------------------------- kv error
+
+
+def load_dump(path: Path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def kv_error(approx: Dict[str, Any], dense: Dict[str, Any]) -> Optional[Dict[str, float]]:
+    """Frobenius error of one segment's cache, ``||C_hat - C||_F / ||C||_F`` with C the K and V of
+    all layers together, and also for K and V alone. Sums of squares are returned for pooling.
+    None when the two dumps are not the same tokens at the same position."""
+    import torch
+
+    if approx["start"] != dense["start"] or list(approx["token_ids"]) != list(dense["token_ids"]):
+        return None
+    out: Dict[str, float] = {"tokens": len(dense["token_ids"])}
+    for name in ("k", "v"):
+        a = approx[name].double()
+        d = dense[name].double()
+        if a.shape != d.shape:
+            return None
+        out[f"{name}_diff2"] = float(torch.sum((a - d) ** 2))
+        out[f"{name}_ref2"] = float(torch.sum(d**2))
+    out["diff2"] = out["k_diff2"] + out["v_diff2"]
+    out["ref2"] = out["k_ref2"] + out["v_ref2"]
+    for prefix in ("", "k_", "v_"):
+        ref = out[f"{prefix}ref2"]
+        out[f"{prefix}rel"] = math.sqrt(out[f"{prefix}diff2"] / ref) if ref > 0 else float("nan")
+    return out
+
+
+def pooled(errors: Iterable[Dict[str, float]], prefix: str = "") -> Optional[float]:
+    """sqrt(sum ||C_hat - C||^2 / sum ||C||^2) over segments."""
+    errors = list(errors)
+    ref = sum(e[f"{prefix}ref2"] for e in errors)
+    if not errors or ref <= 0:
+        return None
+    return math.sqrt(sum(e[f"{prefix}diff2"] for e in errors) / ref)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def mean(xs: Iterable[Optional[float]]) -> Optional[float]:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def reuse_counts(kvshare: Dict[str, Any]) -> Tuple[int, int]:
+    """(reused shared tokens, shared tokens) of one request: shared tokens served by injected or
+    corrected segments (their ``injected_tokens``), over all shared segments' tokens."""
+    reused = total = 0
+    for seg in kvshare.get("segments") or []:
+        if not seg.get("shared"):
+            continue
+        total += int(seg.get("tokens", 0))
+        if seg.get("mode") in REUSED_MODES:
+            reused += int(seg.get("injected_tokens", seg.get("tokens", 0)))
+    return reused, total
