@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ from sglang_kvshare.segments.spec import KVShareAnnotation, Span
 logger = logging.getLogger(__name__)
 
 OUTPUT_PREFIX = "out:"
+CHAT_PATH = "/v1/chat/completions"
 
 
 class OutputTokens:
@@ -61,7 +63,8 @@ class KVShareMiddleware:
         self.referenced: "OrderedDict[tuple, None]" = OrderedDict()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != "/generate":
+        path = scope.get("path") if scope["type"] == "http" and scope["method"] == "POST" else None
+        if path not in ("/generate", CHAT_PATH):
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         try:
@@ -71,18 +74,84 @@ class KVShareMiddleware:
         if not isinstance(payload, dict) or "kvshare" not in payload:
             return await self.app(scope, _replay(body, receive), send)
         try:
+            if path == CHAT_PATH:
+                return await self.chat(scope, receive, send, payload)
             ann, payload = self.rewrite(payload)
         except AnnotationError as e:
             return await _send_json(send, 400, {"error": {"message": f"kvshare: {e}", "code": 400}})
+        await self.forward_generate(scope, receive, send, ann, payload)
+
+    async def forward_generate(self, scope, receive, send, ann: KVShareAnnotation, payload: dict) -> None:
+        """Send a rewritten /generate body to SGLang, recording the agent's output tokens."""
         if get_method(ann.method).needs_reference:
             await self.ensure_references(ann, payload)
         new_body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
-        scope = dict(scope, headers=headers)
+        scope = dict(scope, headers=headers, path="/generate", raw_path=b"/generate")
         if payload.get("stream"):
             return await self.app(scope, _replay(new_body, receive), send)
         return await self.app(scope, _replay(new_body, receive), self._recording_send(send, ann))
+
+    async def chat(self, scope, receive, send, body: dict) -> None:
+        """``/v1/chat/completions`` with ``kvshare`` (the OpenAI client's ``extra_body``).
+
+        ``kvshare.shared_messages`` maps message indices to slots. The chat template is rendered,
+        each shared message's content becomes a PH segment and the text around it PF segments;
+        the request then runs as an annotated /generate and the answer comes back as a
+        ``chat.completion`` with ``kvshare`` beside ``usage``. Streaming is not offered here.
+        """
+        if body.get("stream"):
+            raise AnnotationError("stream is not supported for chat requests with a kvshare annotation")
+        raw = dict(body["kvshare"]) if isinstance(body["kvshare"], dict) else body["kvshare"]
+        if not isinstance(raw, dict):
+            raise AnnotationError("kvshare must be an object")
+        shared = raw.pop("shared_messages", {})
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise AnnotationError("messages must be a non-empty list")
+        if not isinstance(shared, dict):
+            raise AnnotationError("kvshare.shared_messages must map message indices to slot names")
+        raw["segments"] = chat_segments(self.get_tm().tokenizer, messages, shared)
+        sampling = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or 128}
+        for key in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty"):
+            if body.get(key) is not None:
+                sampling[key] = body[key]
+        ann, payload = self.rewrite({"sampling_params": sampling, "kvshare": raw})
+        if body.get("lora_path") is not None:
+            payload["lora_path"] = body["lora_path"]
+        captured: dict = {"status": 500, "body": b""}
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                captured["body"] += message.get("body", b"")
+
+        await self.forward_generate(scope, receive, capture, ann, payload)
+        try:
+            out = json.loads(captured["body"])
+        except ValueError:
+            out = {"error": {"message": captured["body"].decode(errors="replace")}}
+        if captured["status"] != 200:
+            return await _send_json(send, captured["status"], out)
+        meta = out.get("meta_info", {})
+        finish = meta.get("finish_reason") or {}
+        usage = {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        await _send_json(send, 200, {
+            "id": meta.get("id", ""),
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": out.get("text", "")},
+                "finish_reason": "length" if finish.get("type") == "length" else "stop",
+            }],
+            "usage": usage,
+            "kvshare": meta.get("kvshare"),
+        })
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, dict]:
         """Validate and tokenise; returns the annotation and the body to forward."""
@@ -200,6 +269,38 @@ class KVShareMiddleware:
         # NOTE: only tokens that decode to exactly the returned text may stand in for it.
         if ids and tok.decode(ids) == text:
             self.outputs.put(ann.workflow, ann.agent, text, ids)
+
+
+def chat_segments(tok, messages: list, shared: dict) -> list[dict]:
+    """Segments of the rendered chat prompt: each shared message's content is a PH segment."""
+    try:
+        slots = {int(k): v for k, v in shared.items()}
+    except (TypeError, ValueError):
+        raise AnnotationError("kvshare.shared_messages keys must be message indices") from None
+    for i, slot in slots.items():
+        if not 0 <= i < len(messages):
+            raise AnnotationError(f"kvshare.shared_messages names message {i}; there are {len(messages)}")
+        if not isinstance(messages[i], dict) or not isinstance(messages[i].get("content"), str):
+            raise AnnotationError(f"message {i} must have string content to be shared")
+        if not isinstance(slot, str) or not slot:
+            raise AnnotationError(f"kvshare.shared_messages[{i}] must be a slot name")
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prefix = tok.decode(_special_prefix(tok))
+    if prefix and text.startswith(prefix):
+        text = text[len(prefix) :]  # the tokenizer adds it again
+    segments, cursor = [], 0
+    for i in sorted(slots):
+        content = messages[i]["content"]
+        at = text.find(content, cursor)
+        if at < 0 or not content:
+            raise AnnotationError(f"message {i}'s content does not appear in the rendered chat prompt")
+        if at > cursor:
+            segments.append({"text": text[cursor:at], "shared": False})
+        segments.append({"text": content, "shared": True, "slot": slots[i]})
+        cursor = at + len(content)
+    if cursor < len(text):
+        segments.append({"text": text[cursor:], "shared": False})
+    return segments
 
 
 def _special_prefix(tok) -> list[int]:

@@ -161,3 +161,32 @@ def test_concurrent_workflows_finish_with_correct_counts(tiny_server):
             missing = sum(s["tokens"] - s.get("injected_tokens", 0) for s in meta["segments"] if s["shared"])
             assert missing <= len(meta["segments"]) // 2 - 1  # at most the last token of each output
             assert meta["computed_tokens"] == private_tokens(meta) + missing
+
+
+def test_openai_chat_marks_messages_shared(tiny_server):
+    import requests
+
+    def chat(agent, system, shared=None, **extra):
+        body = {
+            "model": "default",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "kvshare": {"workflow": "chat-1", "agent": agent, "method": "fullshared",
+                        "shared_messages": shared if shared is not None else {"1": "q"}},
+            **extra,
+        }
+        return requests.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=300)
+
+    first = chat("solver", SYSTEM["solver"])
+    assert first.status_code == 200, first.text
+    assert first.json()["object"] == "chat.completion"
+    assert first.json()["kvshare"]["segments"][1]["mode"] == "computed"
+    second = chat("critic", SYSTEM["critic"]).json()
+    seg = second["kvshare"]["segments"][1]
+    assert seg["shared"] and seg["slot"] == "q" and seg["mode"] == "injected"
+    assert second["usage"]["prompt_tokens"] == second["kvshare"]["prompt_tokens"]
+    assert isinstance(second["choices"][0]["message"]["content"], str)
+    bad = chat("critic", SYSTEM["critic"], shared={"7": "q"})
+    assert bad.status_code == 400 and "message 7" in bad.json()["error"]["message"]
+    assert chat("critic", SYSTEM["critic"], stream=True).status_code == 400
