@@ -77,6 +77,19 @@ class AnchorPoolCorrector(Corrector):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self._pools.values())
 
+    def shrink_to(self, max_bytes: int) -> int:
+        """Evict anchors (LFU among the oldest, from the largest pool first) until the state
+        fits ``max_bytes``; returns how many were evicted."""
+        evicted = 0
+        while self.nbytes() > max_bytes:
+            pools = [p for p in self._pools.values() if len(p)]
+            if not pools:
+                break
+            max(pools, key=lambda p: p.nbytes).evict()
+            evicted += 1
+        self._counts["num_evicted"] += evicted
+        return evicted
+
     def stats(self) -> dict:
         out = dict(self._counts)
         out.update(

@@ -101,16 +101,17 @@ class AnchorPool:
         """Add ``anchor`` (sets its serial); returns the evicted anchors, oldest decision first."""
         evicted = []
         while len(self.anchors) >= self.capacity:
-            evicted.append(self._evict())
+            evicted.append(self.evict())
         anchor.serial = self._next_serial
         self._next_serial += 1
         self.anchors.append(anchor)
         if self.max_bytes is not None:
             while len(self.anchors) > 1 and self.nbytes > self.max_bytes:
-                evicted.append(self._evict(keep=anchor))
+                evicted.append(self.evict(keep=anchor))
         return evicted
 
-    def _evict(self, keep: Optional[Anchor] = None) -> Anchor:
+    def evict(self, keep: Optional[Anchor] = None) -> Anchor:
+        """Remove and return ``victim(keep)``."""
         v = self.victim(keep)
         self.anchors.remove(v)
         return v

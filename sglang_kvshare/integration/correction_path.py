@@ -126,4 +126,5 @@ def observe_fallbacks(tree, req, st, rope: RopeSpec, owned: int) -> None:
         target = gather_canonical(pool, idx, span.start, rope)
         corrector.observe(span.slot, obs.source_agent, st.spec.agent, obs.source, target, obs.reference)
     st.pending.clear()
+    context().enforce_anchor_budget()
     st.anchor_bytes = corrector.nbytes()

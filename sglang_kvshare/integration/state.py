@@ -130,6 +130,22 @@ class PluginContext:
             self._correctors[key] = create_corrector(name, **overrides)
         return self._correctors[key]
 
+    def anchor_bytes_total(self) -> int:
+        return sum(c.nbytes() for c in self._correctors.values())
+
+    def enforce_anchor_budget(self) -> None:
+        """Evict anchors until all correction state fits ``--kvshare-anchor-budget-mb``."""
+        budget = int(self.args.anchor_budget_mb * 2**20)
+        excess = self.anchor_bytes_total() - budget
+        while excess > 0:
+            shrinkable = [c for c in self._correctors.values() if hasattr(c, "shrink_to") and c.nbytes()]
+            if not shrinkable:
+                return
+            largest = max(shrinkable, key=lambda c: c.nbytes())
+            if not largest.shrink_to(max(largest.nbytes() - excess, 0)):
+                return
+            excess = self.anchor_bytes_total() - budget
+
     def correction_stats(self) -> dict[str, Any]:
         return {f"{n}@{t}" if t is not None else n: c.stats() for (n, t), c in self._correctors.items()}
 
