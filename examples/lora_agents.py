@@ -12,8 +12,10 @@ System prompts and user layout follow the adapters' training data (scripts/train
     python examples/lora_agents.py --url http://127.0.0.1:30000
 
 The example first checks that the server serves the three adapters and stops with a clear error
-otherwise. Status (SGLang 0.5.23, CPU): LoRA serving does not start on the CPU (see
-``LORA_CPU_STATUS``), so this example needs a CUDA server for now.
+otherwise. On the CPU, SGLang 0.5.23's LoRA layers allocate pinned host memory, which fails
+without an accelerator ("pin_memory=True requires a CUDA or other accelerator backend"); the
+plugin drops the pinning when there is no CUDA (``cpu_shims.unpin_lora``), and
+``--lora-backend torch_native`` is the backend that runs on the CPU.
 """
 
 from __future__ import annotations
@@ -38,12 +40,6 @@ REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
 LORA_FLAGS = ["--enable-lora", "--lora-backend", "torch_native", "--lora-paths",
               *[f"{name}={path}" for name, path in ADAPTERS.items()]]
-LORA_CPU_STATUS = (
-    "SGLang 0.5.23 LoRA layers allocate pinned host memory unconditionally "
-    "(sglang/srt/lora/layers.py: torch.tensor(..., pin_memory=True)), which raises "
-    "'RuntimeError: pin_memory=True requires a CUDA or other accelerator backend' on a CPU-only "
-    "host while the server starts"
-)
 
 # As the adapters were trained (scripts/train_adapters.py SYSTEM_PROMPTS and user layout).
 LORA_ROLES = (
@@ -106,7 +102,7 @@ def main(argv=None) -> None:
     try:
         results = run_lora_workflow(args.url, args.method, args.max_tokens)
     except LoRANotServed as e:
-        sys.exit(f"error: {e}\n(note: {LORA_CPU_STATUS})")
+        sys.exit(f"error: {e}")
     print(f"LoRA workflow (method {args.method})")
     for r in results:
         print(" ", summary(r))

@@ -48,3 +48,20 @@ def build_tiny_llama(out_dir: Path, tokenizer_dir: str, rope_scaling: Optional[d
         if src.exists():
             shutil.copy(src, out_dir / name)
     return str(out_dir)
+
+
+def build_tiny_adapter(model_dir: str, out_dir: Path, seed: int, rank: int = 4) -> str:
+    """A random PEFT LoRA adapter (q_proj, v_proj) for the tiny Llama; B is non-zero so it acts."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(str(out_dir))
+    return str(out_dir)

@@ -316,10 +316,11 @@ class KVShareEndpoint(RuntimeEndpoint):
         }
 
     def _annotated(self, s, sampling_params: SglSamplingParams) -> Optional[Dict[str, Any]]:
+        """The annotated request body, or None for a program without markup (stock path)."""
+        if not _MARKER_RE.search(s.text_):
+            return None
         self._handle_dtype_to_regex(sampling_params)
         data = build_request(s.text_, self._sampling(sampling_params), workflow=self.workflow, method=self.method)
-        if data is None:
-            return None
         if s.images_:
             raise MarkupError("images are not supported together with kvshare segments")
         for item in ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"):

@@ -89,6 +89,46 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _NoPinTorch:
+    """``torch`` as seen by one SGLang module, with ``pin_memory=True`` ignored (no CUDA)."""
+
+    def __init__(self, torch_module):
+        self._torch = torch_module
+
+    def __getattr__(self, name):
+        attr = getattr(self._torch, name)
+        if name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+
+            def unpinned(*args, **kwargs):
+                kwargs.pop("pin_memory", None)
+                return attr(*args, **kwargs)
+
+            return unpinned
+        return attr
+
+
+LORA_MODULES = ("sglang.srt.lora.layers", "sglang.srt.lora.backend.torch_backend")
+
+
+def unpin_lora() -> None:
+    """SGLang's LoRA layers allocate pinned host tensors, which needs an accelerator: without
+    one, pinning is dropped (``Tensor.pin_memory`` returns the tensor itself)."""
+    import importlib
+
+    import torch
+
+    if getattr(torch.Tensor.pin_memory, "__name__", "") != "_unpinned":
+
+        def _unpinned(self, *args, **kwargs):
+            return self
+
+        torch.Tensor.pin_memory = _unpinned
+    for name in LORA_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _NoPinTorch):
+            module.torch = _NoPinTorch(torch)
+
+
 def install() -> None:
     """Activate the workarounds in this interpreter (idempotent)."""
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

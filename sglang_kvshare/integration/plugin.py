@@ -26,6 +26,12 @@ def load() -> None:
     from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
     from sglang_kvshare.integration.tree import register_tree
 
+    import torch
+
+    if not torch.cuda.is_available():
+        from sglang_kvshare.integration.cpu_shims import unpin_lora
+
+        unpin_lora()
     register_tree()
     register_attention()
     register_scheduler_hooks()

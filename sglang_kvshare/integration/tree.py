@@ -82,7 +82,7 @@ class KVShareRadixCache(RadixCache):
                     span.slot,
                     SourceRecord(
                         agent=spec.agent,
-                        namespace=spec.namespace,
+                        namespace=req.extra_key,
                         token_ids=tokens[: span.end],
                         start=span.start,
                         end=span.end,
@@ -94,7 +94,7 @@ class KVShareRadixCache(RadixCache):
             ctx.registry.record(
                 spec.workflow,
                 output_slot(spec.agent),
-                SourceRecord(spec.agent, spec.namespace, tokens, prompt_len, owned),
+                SourceRecord(spec.agent, req.extra_key, tokens, prompt_len, owned),
             )
 
 

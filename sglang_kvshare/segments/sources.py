@@ -19,7 +19,7 @@ REFERENCE_AGENT = "__reference__"
 @dataclass(frozen=True)
 class SourceRecord:
     agent: str
-    namespace: str  # radix-tree extra_key of the source agent's cache
+    namespace: str  # radix-tree extra_key of the source cache (with the LoRA id, if any)
     token_ids: tuple[int, ...]  # the source path, from position 0 to at least ``end``
     start: int  # the slot's tokens are token_ids[start:end]
     end: int

@@ -78,6 +78,9 @@ def kvshare_server(model_path: str, log_path: Path, *extra: str, **kw) -> Server
     return Server(["-m", "sglang_kvshare.launch_server", "--model-path", model_path, *extra], log_path, **kw)
 
 
-def stock_server(model_path: str, log_path: Path, *extra: str, **kw) -> Server:
-    env = {"SGLANG_PLUGINS": "none"}  # no plugin: stock SGLang as users have it
+def stock_server(model_path: str, log_path: Path, *extra: str, plugin: bool = False, **kw) -> Server:
+    """Stock SGLang (torch_native attention, its default radix tree). ``plugin=True`` loads our
+    plugin only for its CPU shims (LoRA needs them without CUDA); its hooks act on annotated
+    requests alone, and this server is sent none."""
+    env = {} if plugin else {"SGLANG_PLUGINS": "none"}
     return Server(["-m", "sglang.launch_server", "--model-path", model_path, *STOCK_CPU_FLAGS, *extra], log_path, env=env, **kw)

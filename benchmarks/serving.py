@@ -1,0 +1,792 @@
+"""Serving benchmark: controlled multi-agent traces at rising workflow arrival rates, per method.
+
+A *workflow* is one run of a fixed agent schedule (``sglang_kvshare.workflows.build_schedule``,
+topology ``loop``): ``--base-agents`` agents (task agents ``agent0..`` then ``final``) over
+``--base-rounds`` rounds; every agent reads the shared context (slot ``q``) and the latest output
+of every task agent so far (slots ``out:<agent>``), laid out by ``build_segments`` (ChatML). Every
+agent output has exactly ``--output-len`` tokens (``max_new_tokens`` fixed, ``ignore_eos: true``)
+and is fed unchanged into later agents' inputs. Each workflow gets its own shared context of
+``N`` tokens (numbered facts, unique per workflow), swept over ``--contexts``.
+
+Arrivals: for each rate ``λ`` (workflows/s) in ``--rates``, ``--workflows`` workflows arrive as a
+Poisson process (seeded: every method sees the same arrival times); a workflow's agents run in
+order, workflows overlap. Rate ``0`` means single stream: workflows one after another. Rates rise
+until every method is saturated (its median workflow latency exceeds ``--saturation-factor`` x
+its latency at the lowest rate measured); higher rates are then skipped for that context.
+
+Metrics per (context, rate, method), all from one run of this script:
+
+- TTFT p50/p90/p99: every request is streamed (``"stream": true``); TTFT is the client wall time
+  from sending the POST to receiving the first SSE data chunk on 127.0.0.1 (tokenisation,
+  queueing, prefill/injection and the first token). ``ttft_later_s``: the same over agents after
+  the first turn (those that can reuse).
+- ``e2e_s``: request latency (POST to last chunk); ``workflow_latency_s``: arrival of a workflow
+  to its last agent's last chunk.
+- ``output_tok_s`` / ``total_tok_s``: output (resp. prompt+output) tokens of all requests divided
+  by the makespan (first arrival to last completion).
+- ``peak_rss_mb``: peak resident set size summed over the server's process tree (psutil, sampled
+  every 0.25 s while the point runs); ``peak_rss_delta_mb`` subtracts the RSS just before it.
+  ``peak_gpu_mb``: peak ``nvidia-smi`` memory.used when a GPU is present, else null (both are
+  dominated by SGLang's preallocated KV pool). ``peak_kv_tokens`` / ``peak_kv_mb``: peak KV slots
+  in use (SGLang's ``/v1/loads`` ``num_used_tokens``, sampled every 0.5 s) and their size.
+- ``rho`` = reused / shared tokens summed over all requests (``meta_info.kvshare.reused_tokens``,
+  which also counts ordinary prefix-cache hits in the agent's own namespace, e.g. an agent's
+  second round; and the tokens of segments with ``shared: true``); ``rho_injected`` counts only
+  injected (cross-agent) tokens; ``rho_later`` is ``rho`` over turns after the first.
+- ``ratios``: each method's value / nonshared's value at the same point (nonshared must be among
+  ``--methods``); figures show the absolute numbers with the ratio panel beneath.
+
+Scaling sweeps (appendix style, one factor varied, the others at their base values, at rate
+``--scaling-rate`` and context ``--scaling-context``): ``--agents`` (e.g. 2,4,8) and ``--rounds``
+(e.g. 2,4,8).
+
+Known limits: the server does not record output token ids of *streamed* responses, so a later
+agent's ``out:<agent>`` segment is re-tokenised from text and only its common prefix with the
+source's tokens can be reused (``rho`` shows how much was); ``meta_info.kvshare`` arrives as a
+one-element list in streamed chunks (unwrapped here).
+
+    python -m benchmarks.serving                       # starts a SmolLM2 server; full CPU sweep
+    python -m benchmarks.serving --url http://127.0.0.1:30000 --rates 0,0.05,0.1,0.2
+    python -m benchmarks.serving --quick               # a few minutes on a 2-core CPU
+    python -m benchmarks.serving --replot --out results/serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import requests
+from tqdm import tqdm
+
+from sglang_kvshare.workflows import Role, build_payload, build_schedule, build_segments, out_slot
+
+DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
+BASELINE = "nonshared"
+FINAL = "final"
+SPECIALTIES = (
+    "domain expert who recalls the relevant facts",
+    "analyst who reasons step by step",
+    "critic who checks the other agents' claims",
+    "programmer who verifies the numbers with code",
+    "summariser who condenses the discussion",
+    "sceptic who looks for missing cases",
+    "planner who splits the task into steps",
+)
+PERCENTILES = (50, 90, 99)
+# metrics compared against nonshared (ratio = method / nonshared)
+RATIO_KEYS = (
+    "ttft_s.p50", "ttft_s.p90", "ttft_s.p99", "ttft_later_s.p50", "e2e_s.p50", "workflow_latency_s.p50",
+    "output_tok_s", "total_tok_s", "peak_rss_mb", "peak_rss_delta_mb", "peak_gpu_mb", "peak_kv_tokens",
+    "computed_tokens",
+)
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def make_roles(n_agents: int) -> tuple[List[Role], Role]:
+    """``n_agents - 1`` task agents ``agent0..`` (distinct system prompts) and the final agent."""
+    if n_agents < 2:
+        raise ValueError("a workflow needs at least 2 agents (one task agent and the final agent)")
+    task = [
+        Role(name=f"agent{i}", title=f"Agent {i}",
+             system_prompt=f"You are agent {i}, a {SPECIALTIES[i % len(SPECIALTIES)]}. Answer briefly.")
+        for i in range(n_agents - 1)
+    ]
+    final = Role(name=FINAL, title="Final", glue_template="\n\n{source} answered:\n",
+                 system_prompt="You are the final decision-maker. Read the other agents and answer.",
+                 closing_instruction="\n\nGive the final answer.")
+    return task, final
+
+
+def make_context(tok, n_tokens: int, tag: str) -> str:
+    """Shared context of about ``n_tokens`` tokens (numbered facts), unique per ``tag``."""
+    from benchmarks.ttft_reuse import build_question
+
+    head = f"Case {tag}. "
+    n_head = len(tok.encode(head, add_special_tokens=False))
+    return head + build_question(tok, max(8, n_tokens - n_head))
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    context: int
+    rate: float
+    method: str
+    agents: int
+    rounds: int
+    workflows: int
+    output_len: int
+    seed: int
+
+
+def arrival_offsets(rate: float, n: int, seed: int) -> Optional[List[float]]:
+    """Poisson arrival times (s after start; the first at 0) or None for single stream (rate 0)."""
+    if rate <= 0:
+        return None
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+class RequestFailed(RuntimeError):
+    pass
+
+
+def kvshare_of(meta: Dict[str, Any]) -> Dict[str, Any]:
+    kv = meta.get("kvshare") or {}
+    if isinstance(kv, list):  # streamed chunks carry it as a one-element list
+        kv = kv[0] if kv else {}
+    return kv
+
+
+def stream_generate(session: requests.Session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """POST a streamed /generate; returns ttft_s, e2e_s, text, meta (of the last chunk)."""
+    body = dict(payload, stream=True)
+    t0 = time.perf_counter()
+    with session.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RequestFailed(f"HTTP {r.status_code}: {r.text[:1000]}")
+        ttft, last = None, None
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            if line.strip() == b"data: [DONE]":
+                break
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(line[5:])
+            if time.perf_counter() - t0 > timeout:
+                raise RequestFailed(f"request exceeded {timeout}s")
+    e2e = time.perf_counter() - t0
+    if last is None:
+        raise RequestFailed("stream ended without data")
+    if "error" in last:
+        raise RequestFailed(str(last["error"])[:1000])
+    return {"ttft_s": ttft, "e2e_s": e2e, "text": last.get("text", ""), "meta": last.get("meta_info", {})}
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def find_server_pid(url: str) -> Optional[int]:
+    """PID listening on the URL's port on this host (None if not found / not permitted)."""
+    import psutil
+    from urllib.parse import urlparse
+
+    port = urlparse(url).port
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return c.pid
+    except (psutil.AccessDenied, PermissionError):
+        return None
+    return None
+
+
+def tree_rss_mb(pid: int) -> Optional[float]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total / 2**20
+
+
+def gpu_used_mb() -> Optional[float]:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return float(sum(float(x) for x in out.split()))
+    except (subprocess.SubprocessError, ValueError):
+        return None
+
+
+def kv_load(session: requests.Session, url: str) -> Optional[Dict[str, float]]:
+    """KV slots in use from SGLang's ``/v1/loads`` (summed over DP ranks), with MB per token."""
+    try:
+        loads = session.get(url + "/v1/loads", timeout=5).json()["loads"]
+        used = sum(float(x.get("num_used_tokens") or 0) for x in loads)
+        cap = sum(float((x.get("memory") or {}).get("token_capacity") or x.get("max_total_num_tokens") or 0) for x in loads)
+        gb = sum(float((x.get("memory") or {}).get("kv_cache_gb") or 0) for x in loads)
+        return {"used_tokens": used, "mb_per_token": (gb * 1024 / cap) if cap and gb else None}
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
+class MemorySampler:
+    """Samples, in a thread until the ``with`` block ends: the server tree's RSS (every
+    ``interval`` s), GPU memory (nvidia-smi, every 1 s) and KV slots in use (``/v1/loads``,
+    every 0.5 s)."""
+
+    def __init__(self, pid: Optional[int], url: Optional[str] = None, interval: float = 0.25):
+        self.pid, self.url, self.interval = pid, url, interval
+        self.baseline = tree_rss_mb(pid) if pid else None
+        self.peak_rss = self.baseline
+        self.gpu = shutil.which("nvidia-smi") is not None
+        self.peak_gpu = gpu_used_mb() if self.gpu else None
+        self._session = requests.Session()
+        first = kv_load(self._session, url) if url else None
+        self.peak_kv_tokens = first["used_tokens"] if first else None
+        self.kv_mb_per_token = first["mb_per_token"] if first else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        last_gpu = last_kv = 0.0
+        while not self._stop.wait(self.interval):
+            if self.pid:
+                rss = tree_rss_mb(self.pid)
+                if rss is not None:
+                    self.peak_rss = max(self.peak_rss or 0.0, rss)
+            now = time.time()
+            if self.gpu and now - last_gpu >= 1.0:
+                last_gpu = now
+                g = gpu_used_mb()
+                if g is not None:
+                    self.peak_gpu = max(self.peak_gpu or 0.0, g)
+            if self.peak_kv_tokens is not None and now - last_kv >= 0.5:
+                last_kv = now
+                kv = kv_load(self._session, self.url)
+                if kv is not None:
+                    self.peak_kv_tokens = max(self.peak_kv_tokens, kv["used_tokens"])
+
+    @property
+    def peak_kv_mb(self) -> Optional[float]:
+        if self.peak_kv_tokens is None or self.kv_mb_per_token is None:
+            return None
+        return self.peak_kv_tokens * self.kv_mb_per_token
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+# ----------------------------------------------------------------------------- one point
+
+
+def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: float, on_request) -> List[Dict[str, Any]]:
+    """All turns of one workflow in order; returns one record per request (stops at an error)."""
+    task_roles, final = make_roles(spec.agents)
+    roles = {r.name: r for r in task_roles + [final]}
+    schedule = build_schedule("loop", [r.name for r in task_roles], final.name, spec.rounds)
+    outputs: List[str] = []
+    records: List[Dict[str, Any]] = []
+    session = requests.Session()
+    for i, turn in enumerate(schedule):
+        role = roles[turn.agent]
+        reads = [(schedule[j].agent, roles[schedule[j].agent].title, outputs[j]) for j in turn.reads]
+        segments = build_segments(role, context, reads)
+        payload = build_payload(role, segments, wf_id, spec.method, spec.output_len)
+        payload["sampling_params"]["ignore_eos"] = True
+        rec: Dict[str, Any] = {"turn": i, "agent": turn.agent}
+        try:
+            res = stream_generate(session, url, payload, timeout)
+        except (RequestFailed, requests.RequestException) as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            records.append(rec)
+            on_request()
+            break
+        meta, kv = res["meta"], kvshare_of(res["meta"])
+        shared_tok = sum(s["tokens"] for s in kv.get("segments", []) if s.get("shared"))
+        rec.update(
+            ttft_s=res["ttft_s"], e2e_s=res["e2e_s"], end=time.perf_counter(),
+            prompt_tokens=kv.get("prompt_tokens", meta.get("prompt_tokens")),
+            completion_tokens=meta.get("completion_tokens"),
+            computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0),
+            injected_tokens=kv.get("injected_tokens", 0),
+            shared_tokens=shared_tok, has_kvshare=bool(kv),
+        )
+        records.append(rec)
+        outputs.append(res["text"])
+        on_request()
+    return records
+
+
+def pct(values: Sequence[float]) -> Optional[Dict[str, float]]:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+
+    def q(p):  # linear interpolation between closest ranks
+        k = (len(vals) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+    return {**{f"p{p}": q(p) for p in PERCENTILES}, "mean": statistics.fmean(vals), "n": len(vals)}
+
+
+def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int], timeout: float, bar) -> Dict[str, Any]:
+    """``spec.workflows`` workflows at ``spec.rate``; returns the point's metrics."""
+    offsets = arrival_offsets(spec.rate, spec.workflows, spec.seed)
+    lock = threading.Lock()
+
+    def tick():
+        with lock:
+            bar.update()
+
+    run_tag = uuid.uuid4().hex[:6]
+    results: List[Optional[Dict[str, Any]]] = [None] * spec.workflows
+    with MemorySampler(pid, url) as mem:
+        t0 = time.perf_counter()
+
+        def one(k: int):
+            if offsets is not None:
+                delay = t0 + offsets[k] - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            start = time.perf_counter()
+            wf = f"serving-{run_tag}-{spec.method}-c{spec.context}-r{spec.rate}-w{k}"
+            recs = run_workflow(url, spec, contexts[k], wf, timeout, tick)
+            results[k] = {"arrival": start, "records": recs}
+
+        if offsets is None:  # single stream
+            for k in range(spec.workflows):
+                one(k)
+        else:
+            with ThreadPoolExecutor(max_workers=spec.workflows) as pool:
+                futures = [pool.submit(one, k) for k in range(spec.workflows)]
+                for f in futures:
+                    f.result()  # each request is bounded by its timeout
+    recs = [r for wf in results if wf for r in wf["records"]]
+    ok = [r for r in recs if "error" not in r]
+    errors = [r["error"] for r in recs if "error" in r]
+    ends = [r["end"] for r in ok]
+    makespan = (max(ends) - t0) if ends else None
+    wf_lat = [wf["records"][-1]["end"] - wf["arrival"] for wf in results
+              if wf and wf["records"] and "error" not in wf["records"][-1]]
+    later = [r for r in ok if r["turn"] > 0]
+
+    def total(key, rows=ok):
+        vals = [r.get(key) for r in rows]
+        return None if not rows or any(v is None for v in vals) else int(sum(vals))
+
+    out_tok, prompt_tok = total("completion_tokens"), total("prompt_tokens")
+    shared, reused = total("shared_tokens"), total("reused_tokens")
+    shared_l, reused_l = total("shared_tokens", later), total("reused_tokens", later)
+    injected = total("injected_tokens")
+    return {
+        "context": spec.context, "rate": spec.rate, "method": spec.method, "agents": spec.agents,
+        "rounds": spec.rounds, "workflows": spec.workflows, "output_len": spec.output_len,
+        "requests": len(ok), "errors": len(errors), "error_messages": errors[:5],
+        "kvshare_missing": sum(1 for r in ok if not r["has_kvshare"]),
+        "ttft_s": pct([r["ttft_s"] for r in ok]),
+        "ttft_later_s": pct([r["ttft_s"] for r in later]),
+        "e2e_s": pct([r["e2e_s"] for r in ok]),
+        "workflow_latency_s": pct(wf_lat),
+        "makespan_s": makespan,
+        "achieved_wf_per_s": (len(wf_lat) / makespan) if makespan else None,
+        "output_tokens": out_tok, "prompt_tokens": prompt_tok,
+        "computed_tokens": total("computed_tokens"), "reused_tokens": reused, "shared_tokens": shared,
+        "output_tok_s": (out_tok / makespan) if out_tok and makespan else None,
+        "total_tok_s": ((out_tok + prompt_tok) / makespan) if out_tok and prompt_tok and makespan else None,
+        "injected_tokens": injected,
+        "rho": (reused / shared) if shared else None,
+        "rho_injected": (injected / shared) if shared and injected is not None else None,
+        "rho_later": (reused_l / shared_l) if shared_l else None,
+        "rss_baseline_mb": mem.baseline, "peak_rss_mb": mem.peak_rss,
+        "peak_rss_delta_mb": (mem.peak_rss - mem.baseline) if mem.baseline is not None else None,
+        "peak_gpu_mb": mem.peak_gpu,
+        "peak_kv_tokens": mem.peak_kv_tokens, "peak_kv_mb": mem.peak_kv_mb,
+    }
+
+
+def get_path(d: Dict[str, Any], dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or d.get(part) is None:
+            return None
+        d = d[part]
+    return d
+
+
+def ratios(by_method: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """method -> {metric: method / nonshared} for RATIO_KEYS (None where undefined)."""
+    base = by_method.get(BASELINE)
+    if base is None:
+        return {}
+    out = {}
+    for m, res in by_method.items():
+        row = {}
+        for key in RATIO_KEYS:
+            a, b = get_path(res, key), get_path(base, key)
+            row[key] = (a / b) if a is not None and b not in (None, 0) else None
+        out[m] = row
+    return out
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+class Runner:
+    def __init__(self, args, url: str, tok, pid: Optional[int], bar):
+        self.args, self.url, self.tok, self.pid, self.bar = args, url, tok, pid, bar
+        self._contexts: Dict[tuple, List[str]] = {}
+
+    def contexts(self, n_tokens: int, n: int) -> List[str]:
+        key = (n_tokens, n)
+        if key not in self._contexts:
+            self._contexts[key] = [make_context(self.tok, n_tokens, f"{n_tokens}-{k}") for k in range(n)]
+        return self._contexts[key]
+
+    def point(self, context: int, rate: float, agents: int, rounds: int, workflows: int, seed: int) -> Dict[str, Any]:
+        by_method = {}
+        for method in self.args.methods:
+            spec = PointSpec(context, rate, method, agents, rounds, workflows, self.args.output_len, seed)
+            self.bar.set_description(f"ctx {context} rate {rate} a{agents} r{rounds} {method}")
+            by_method[method] = run_point(self.url, spec, self.contexts(context, workflows), self.pid,
+                                          self.args.request_timeout, self.bar)
+        return {"context": context, "rate": rate, "agents": agents, "rounds": rounds,
+                "methods": by_method, "ratios": ratios(by_method)}
+
+
+def qps_sweep(runner: Runner, args) -> tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
+    points, skipped = [], []
+    for ci, context in enumerate(args.contexts):
+        baseline_lat: Dict[str, float] = {}
+        for ri, rate in enumerate(args.rates):
+            p = runner.point(context, rate, args.base_agents, args.base_rounds, args.workflows, args.seed + 1000 * ci + ri)
+            all_sat = True
+            for m, res in p["methods"].items():
+                lat = get_path(res, "workflow_latency_s.p50")
+                if m not in baseline_lat and lat is not None:
+                    baseline_lat[m] = lat
+                sat = (rate > 0 and lat is not None and m in baseline_lat and ri > 0
+                       and lat > args.saturation_factor * baseline_lat[m]) or res["errors"] > 0
+                res["saturated"] = bool(sat)
+                all_sat = all_sat and sat
+            points.append(p)
+            if all_sat and ri + 1 < len(args.rates):
+                skipped += [{"context": context, "rate": r, "reason": f"all methods saturated at {rate}"}
+                            for r in args.rates[ri + 1:]]
+                break
+    return points, skipped
+
+
+def scaling_sweeps(runner: Runner, args) -> Dict[str, List[Dict[str, Any]]]:
+    out: Dict[str, List[Dict[str, Any]]] = {"agents": [], "rounds": []}
+    for n in args.agents:
+        out["agents"].append(runner.point(args.scaling_context, args.scaling_rate, n, args.base_rounds,
+                                          args.scaling_workflows, args.seed + 7))
+    for r in args.rounds:
+        out["rounds"].append(runner.point(args.scaling_context, args.scaling_rate, args.base_agents, r,
+                                          args.scaling_workflows, args.seed + 7))
+    return out
+
+
+class _NullBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def turns_of(agents: int, rounds: int) -> int:
+    return (agents - 1) * rounds + 1
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(v, spec=".3f"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    lines = ["| ctx | rate wf/s | method | TTFT p50 s | p90 | p99 | ratio p50 | e2e p50 s | wf lat p50 s "
+             "| out tok/s | ratio | peak RSS MB | ratio | peak KV tok | ratio | rho | sat |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for p in results["qps_sweep"]:
+        for m, r in p["methods"].items():
+            ra = p["ratios"].get(m, {})
+            t = r["ttft_s"] or {}
+            lines.append(
+                f"| {p['context']} | {p['rate']:g} | {m} | {_fmt(t.get('p50'))} | {_fmt(t.get('p90'))} | "
+                f"{_fmt(t.get('p99'))} | {_fmt(ra.get('ttft_s.p50'), '.2f')} | {_fmt(get_path(r, 'e2e_s.p50'))} | "
+                f"{_fmt(get_path(r, 'workflow_latency_s.p50'), '.2f')} | {_fmt(r['output_tok_s'], '.1f')} | "
+                f"{_fmt(ra.get('output_tok_s'), '.2f')} | {_fmt(r['peak_rss_mb'], '.0f')} | "
+                f"{_fmt(ra.get('peak_rss_mb'), '.3f')} | {_fmt(r['peak_kv_tokens'], '.0f')} | "
+                f"{_fmt(ra.get('peak_kv_tokens'), '.2f')} | {_fmt(r['rho'], '.2f')} | {'yes' if r.get('saturated') else ''} |"
+            )
+    for kind, pts in results.get("scaling", {}).items():
+        if not pts:
+            continue
+        lines += ["", f"scaling by {kind} (ctx {pts[0]['context']}, rate {pts[0]['rate']:g}):", "",
+                  f"| {kind} | turns | method | TTFT p50 s | ratio | wf lat p50 s | ratio | rho |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+        for p in pts:
+            for m, r in p["methods"].items():
+                ra = p["ratios"].get(m, {})
+                lines.append(
+                    f"| {p[kind]} | {turns_of(p['agents'], p['rounds'])} | {m} | {_fmt(get_path(r, 'ttft_s.p50'))} | "
+                    f"{_fmt(ra.get('ttft_s.p50'), '.2f')} | {_fmt(get_path(r, 'workflow_latency_s.p50'), '.2f')} | "
+                    f"{_fmt(ra.get('workflow_latency_s.p50'), '.2f')} | {_fmt(r['rho'], '.2f')} |"
+                )
+    if results.get("skipped"):
+        lines.append(f"\nskipped (saturation): {results['skipped']}")
+    return "\n".join(lines)
+
+
+def _series(points, method, key, x_of):
+    xs, ys = [], []
+    for p in points:
+        v = get_path(p["methods"].get(method, {}), key)
+        if v is not None:
+            xs.append(x_of(p))
+            ys.append(v)
+    return xs, ys
+
+
+def _ratio_series(points, method, key, x_of):
+    xs, ys = [], []
+    for p in points:
+        v = p["ratios"].get(method, {}).get(key)
+        if v is not None:
+            xs.append(x_of(p))
+            ys.append(v)
+    return xs, ys
+
+
+def _panel_pair(ax_abs, ax_ratio, points, methods, key, x_of, ylabel, annotate=True):
+    for i, m in enumerate(methods):
+        xs, ys = _series(points, m, key, x_of)
+        ax_abs.plot(xs, ys, "o-", color=f"C{i}", label=m)
+        rx, ry = _ratio_series(points, m, key, x_of)
+        ax_ratio.plot(rx, ry, "o-", color=f"C{i}", label=m)
+        if annotate and m != BASELINE:
+            for x, y in zip(rx, ry):
+                ax_ratio.annotate(f"{y:.2f}", (x, y), xytext=(0, 4), textcoords="offset points", ha="center", fontsize=7)
+    ax_abs.set_ylabel(ylabel)
+    ax_ratio.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax_ratio.set_ylabel(f"ratio vs {BASELINE}")
+
+
+def plot(results: Dict[str, Any], out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["config"]["methods"]
+    paths = []
+    qps = results["qps_sweep"]
+    title = f"{Path(str(results['server'].get('model_path'))).name}, {results['host']['machine']}"
+    if qps:
+        ctxs = sorted({p["context"] for p in qps})
+        fig, axes = plt.subplots(2, len(ctxs), figsize=(4.2 * len(ctxs), 6.5), squeeze=False, sharex="col")
+        for j, c in enumerate(ctxs):
+            pts = [p for p in qps if p["context"] == c]
+            _panel_pair(axes[0][j], axes[1][j], pts, methods, "ttft_s.p50", lambda p: p["rate"], "TTFT p50, s")
+            for i, m in enumerate(methods):  # p90 dashed
+                xs, ys = _series(pts, m, "ttft_s.p90", lambda p: p["rate"])
+                axes[0][j].plot(xs, ys, "--", color=f"C{i}", alpha=0.5)
+            axes[0][j].set_title(f"shared context {c} tokens")
+            axes[1][j].set_xlabel("workflow arrival rate, wf/s (0 = single stream)")
+        axes[0][0].legend(fontsize=8, title="solid p50, dashed p90", title_fontsize=7)
+        fig.suptitle(f"TTFT vs request rate ({title})")
+        fig.tight_layout()
+        p = out.with_name(out.stem + "_ttft_vs_qps.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+
+        # memory vs context: the highest peak over the rates of each context
+        mem_pts = []
+        for c in ctxs:
+            by_m = {}
+            for m in methods:
+                vals = [p["methods"][m] for p in qps if p["context"] == c and m in p["methods"]]
+                if vals:  # per metric, the highest value over the rates
+                    by_m[m] = {k: max((v[k] for v in vals if v.get(k) is not None), default=None)
+                               for k in ("peak_rss_mb", "peak_rss_delta_mb", "peak_gpu_mb", "peak_kv_tokens")}
+            mem_pts.append({"context": c, "methods": by_m, "ratios": ratios(by_m)})
+        keys = [("peak_rss_mb", "peak RSS of server tree, MB"), ("peak_rss_delta_mb", "RSS growth during run, MB"),
+                ("peak_kv_tokens", "peak KV slots in use, tokens")]
+        if any(get_path(r, "peak_gpu_mb") for p in mem_pts for r in p["methods"].values()):
+            keys.append(("peak_gpu_mb", "peak GPU memory, MB"))
+        fig, axes = plt.subplots(2, len(keys), figsize=(4.5 * len(keys), 6.5), squeeze=False, sharex="col")
+        for j, (key, label) in enumerate(keys):
+            _panel_pair(axes[0][j], axes[1][j], mem_pts, methods, key, lambda p: p["context"], label)
+            axes[1][j].set_xlabel("shared context, tokens")
+        axes[0][0].legend(fontsize=8)
+        for ax in axes.flat:
+            ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+        fig.suptitle(f"Peak memory vs context (max over rates; {title})")
+        fig.tight_layout()
+        p = out.with_name(out.stem + "_memory_vs_context.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+
+    sc = {k: v for k, v in results.get("scaling", {}).items() if v}
+    if sc:
+        fig, axes = plt.subplots(2, 2 * len(sc), figsize=(4.2 * 2 * len(sc), 6.5), squeeze=False, sharex="col")
+        for j, (kind, pts) in enumerate(sc.items()):
+            for k, (key, label) in enumerate((("ttft_s.p50", "TTFT p50, s"), ("workflow_latency_s.p50", "workflow latency p50, s"))):
+                col = 2 * j + k
+                _panel_pair(axes[0][col], axes[1][col], pts, methods, key, lambda p, kind=kind: p[kind], label)
+                axes[0][col].set_title(f"vary {kind}")
+                axes[1][col].set_xlabel(kind)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(f"Scaling (ctx {results['config']['scaling_context']}, rate {results['config']['scaling_rate']:g}; {title})")
+        fig.tight_layout()
+        p = out.with_name(out.stem + "_scaling.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+QUICK = dict(contexts=[128, 256], rates=[0.5], workflows=2, output_len=4, agents=[2, 3], rounds=[2],
+             scaling_workflows=1, scaling_rate=0.0, scaling_context=128)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running sglang_kvshare server (default: start one)")
+    ap.add_argument("--model-path", default=None, help="when starting a server (default: launch_server's SmolLM2)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
+    ap.add_argument("--server-pid", type=int, default=None, help="server PID for RSS (default: found from --url's port)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--contexts", type=_ints, default=[512, 1024, 2048], help="shared context lengths, tokens")
+    ap.add_argument("--rates", type=_floats, default=[0.0, 0.05, 0.1, 0.2], help="workflow arrival rates, wf/s (0 = single stream)")
+    ap.add_argument("--workflows", type=int, default=8, help="workflows per (context, rate, method)")
+    ap.add_argument("--output-len", type=int, default=32, help="tokens per agent output (ignore_eos)")
+    ap.add_argument("--base-agents", type=int, default=4)
+    ap.add_argument("--base-rounds", type=int, default=1)
+    ap.add_argument("--agents", type=_ints, default=[2, 4, 8], help="scaling sweep over agents ('' = skip)")
+    ap.add_argument("--rounds", type=_ints, default=[2, 4, 8], help="scaling sweep over rounds ('' = skip)")
+    ap.add_argument("--scaling-context", type=int, default=512)
+    ap.add_argument("--scaling-rate", type=float, default=0.0)
+    ap.add_argument("--scaling-workflows", type=int, default=2)
+    ap.add_argument("--saturation-factor", type=float, default=2.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("results/serving.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw plots and table from --out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.rates = sorted(args.rates)
+    for name in ("workflows", "output_len", "base_agents", "base_rounds", "scaling_workflows"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    if args.replot:
+        results = json.loads(args.out.read_text())
+        plot(results, args.out)
+        print(markdown(results))
+        return results
+
+    server, log_dir = None, None
+    url = args.url
+    if url is None:
+        from tests.integration.server import Server
+
+        log_dir = Path(tempfile.mkdtemp(prefix="serving-"))
+        argv_s = ["-m", "sglang_kvshare.launch_server"]
+        if args.model_path:
+            argv_s += ["--model-path", args.model_path]
+        server = Server(argv_s + list(args.server_arg), log_dir / "server.log", timeout=900)
+        url = server.url
+    url = url.rstrip("/")
+    try:
+        info = requests.get(url + "/get_model_info", timeout=30).json()
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+        pid = server.proc.pid if server else (args.server_pid or find_server_pid(url))
+        per_point = lambda a, r, w: turns_of(a, r) * w * len(args.methods)  # noqa: E731
+        total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
+        total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
+        total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
+        t0 = time.time()
+        with tqdm(total=total, unit="req") as bar:
+            runner = Runner(args, url, tok, pid, bar)
+            if not args.no_warmup:  # one short single-stream workflow per method, not recorded
+                bar.set_description("warm-up")
+                for m in args.methods:
+                    spec = PointSpec(32, 0.0, m, 2, 1, 1, 2, 0)
+                    run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
+            points, skipped = qps_sweep(runner, args)
+            scaling = scaling_sweeps(runner, args)
+        results = {
+            "benchmark": "serving",
+            "ttft": "client wall time from POST to the first SSE data chunk of a streamed /generate (127.0.0.1)",
+            "rho": "reused_tokens / tokens of shared segments, summed over requests (meta_info.kvshare)",
+            "memory": "peak RSS summed over the server process tree (psutil, 0.25 s); GPU: nvidia-smi memory.used",
+            "ratios": f"method / {BASELINE} at the same point of the same run",
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "server": {"url": url, "model_path": info.get("model_path"), "started_here": server is not None,
+                       "pid": pid, "log": str(log_dir / "server.log") if log_dir else None},
+            "host": {"machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version()},
+            "wall_s": time.time() - t0,
+            "qps_sweep": points,
+            "skipped": skipped,
+            "scaling": scaling,
+        }
+    finally:
+        if server is not None:
+            server.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    pngs = [] if args.no_plots else plot(results, args.out)
+    print(markdown(results))
+    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs) + (f" (server log: {log_dir})" if log_dir else ""))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Runnable examples (importable so tests can run their logic)."""
