@@ -190,3 +190,29 @@ def test_openai_chat_marks_messages_shared(tiny_server):
     bad = chat("critic", SYSTEM["critic"], shared={"7": "q"})
     assert bad.status_code == 400 and "message 7" in bad.json()["error"]["message"]
     assert chat("critic", SYSTEM["critic"], stream=True).status_code == 400
+
+
+def test_an_evicted_source_means_dense_prefill_not_an_error(tiny_server):
+    import requests
+
+    first = tiny_server.generate(payload("evict-1", "solver", "fullshared", segments("solver", {}), 4))
+    assert first.status_code == 200
+    # the flush waits (up to 60 s) for requests of other tests still in flight
+    flushed = requests.post(tiny_server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    assert flushed.status_code == 200, flushed.text
+    r = tiny_server.generate(payload("evict-1", "critic", "fullshared", segments("critic", {"solver": first.json()["text"]}), 4))
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]["kvshare"]
+    assert all(s["mode"] == "computed" for s in meta["segments"])
+    assert meta["computed_tokens"] == meta["prompt_tokens"]
+
+
+def test_help_lists_sglang_and_kvshare_flags():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sglang_kvshare.launch_server", "--help"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ("--model-path", "--attention-backend", "--kvshare-method", "--kvshare-tau", "--kvshare-dump-dir"):
+        assert flag in out.stdout
