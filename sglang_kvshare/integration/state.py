@@ -146,8 +146,6 @@ class PluginContext:
                 return
             excess = self.anchor_bytes_total() - budget
 
-    def correction_stats(self) -> dict[str, Any]:
-        return {f"{n}@{t}" if t is not None else n: c.stats() for (n, t), c in self._correctors.items()}
 
     def state_of(self, req) -> Optional[ReqShareState]:
         """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""

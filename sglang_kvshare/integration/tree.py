@@ -75,7 +75,7 @@ class KVShareRadixCache(RadixCache):
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
-        for i, span in enumerate(spec.spans):
+        for span in spec.spans:
             if span.shared and span.end <= owned:
                 ctx.registry.record(
                     spec.workflow,
@@ -86,7 +86,6 @@ class KVShareRadixCache(RadixCache):
                         token_ids=tokens[: span.end],
                         start=span.start,
                         end=span.end,
-                        corrected=st.modes.get(i) == "corrected",
                     ),
                 )
         prompt_len = len(req.origin_input_ids)

@@ -23,7 +23,6 @@ class SourceRecord:
     token_ids: tuple[int, ...]  # the source path, from position 0 to at least ``end``
     start: int  # the slot's tokens are token_ids[start:end]
     end: int
-    corrected: bool = False  # the cache of this slot was materialised by a correction
 
 
 class SourceRegistry:
@@ -65,6 +64,3 @@ class SourceRegistry:
 
     def has(self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None) -> bool:
         return self.lookup(workflow, slot, agent, exclude) is not None
-
-    def num_workflows(self) -> int:
-        return len(self._flows)
