@@ -75,37 +75,16 @@ class KVShareRadixCache(RadixCache):
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
-        for span in spec.spans:
-            if span.shared and span.end <= owned:
-                ctx.registry.record(
-                    spec.workflow,
-                    span.slot,
-                    SourceRecord(
-                        agent=spec.agent,
-                        namespace=req.extra_key,
-                        token_ids=tokens[: span.end],
-                        start=span.start,
-                        end=span.end,
-                    ),
-                )
-        prompt_len = len(req.origin_input_ids)
-        if owned > prompt_len:
-            ctx.registry.record(
-                spec.workflow,
-                output_slot(spec.agent),
-                SourceRecord(spec.agent, req.extra_key, tokens, prompt_len, owned),
-            )
-
+        for slot, start, end in _cached_slots(req, st, owned):
+            rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
+            ctx.registry.record(spec.workflow, slot, rec)
 
     @torch.no_grad()
     def _dump(self, req, st, owned: int, root: str) -> None:
         """Write each cached shared span's K/V ([layers, n, kv_heads, head_dim] float32)."""
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        spans = [(s.slot, s.start, s.end) for s in st.spec.spans if s.shared and s.end <= owned]
-        prompt_len = len(req.origin_input_ids)
-        if owned > prompt_len:
-            spans.append((output_slot(st.spec.agent), prompt_len, owned))
+        spans = _cached_slots(req, st, owned)
         out_dir = Path(root) / _safe(st.spec.workflow) / _safe(st.spec.agent)
         out_dir.mkdir(parents=True, exist_ok=True)
         for slot, start, end in spans:
@@ -117,6 +96,16 @@ class KVShareRadixCache(RadixCache):
                  "meta": dict(st.meta)},
                 out_dir / f"{_safe(slot)}.pt",
             )
+
+
+def _cached_slots(req, st, owned: int) -> list[tuple[str, int, int]]:
+    """(slot, start, end) of each shared span, and of the output (``out:<agent>``), whose KV
+    the first ``owned`` tokens of the released request cover."""
+    slots = [(s.slot, s.start, s.end) for s in st.spec.spans if s.shared and s.end <= owned]
+    prompt_len = len(req.origin_input_ids)
+    if owned > prompt_len:
+        slots.append((output_slot(st.spec.agent), prompt_len, owned))
+    return slots
 
 
 def _safe(name: str) -> str:
