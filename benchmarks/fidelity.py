@@ -385,11 +385,11 @@ def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
     for ax, (key, key2, title) in zip(axes, panels):
         vals = [summary[m].get(key) or 0.0 for m in labels]
         bars = ax.bar(x, vals, color="tab:blue", label="pooled" if key2 else "mean")
+        extra = [summary[m].get(key2) or 0.0 for m in labels] if key2 else []
         if key2:
-            ax.scatter(x, [summary[m].get(key2) or 0.0 for m in labels], color="tab:red", zorder=3,
-                       label="mean over segments")
+            ax.scatter(x, extra, color="tab:red", zorder=3, label="mean over segments")
             ax.legend(fontsize=8)
-        top = max(vals + [1e-9])
+        top = max(vals + extra + [1e-9])
         for b, m in zip(bars, labels):
             rho = summary[m].get("rho")
             ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.02 * top,

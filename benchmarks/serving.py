@@ -680,7 +680,7 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-QUICK = dict(contexts=[128, 256], rates=[0.5], workflows=2, output_len=4, agents=[2, 3], rounds=[2],
+QUICK = dict(contexts=[128, 256], rates=[0.5], workflows=2, output_len=4, base_agents=3, agents=[2], rounds=[2],
              scaling_workflows=1, scaling_rate=0.0, scaling_context=128)
 
 
