@@ -90,7 +90,7 @@ class KVShareMiddleware:
         headers.append((b"content-length", str(len(new_body)).encode()))
         scope = dict(scope, headers=headers, path="/generate", raw_path=b"/generate")
         if payload.get("stream"):
-            return await self.app(scope, _replay(new_body, receive), send)
+            return await self.app(scope, _replay(new_body, receive), self._streaming_send(send, ann))
         return await self.app(scope, _replay(new_body, receive), self._recording_send(send, ann))
 
     async def chat(self, scope, receive, send, body: dict) -> None:
@@ -254,9 +254,48 @@ class KVShareMiddleware:
 
         return wrapped
 
-    def _remember(self, ann: KVShareAnnotation, body: bytes, tok) -> None:
+    def _streaming_send(self, send, ann: KVShareAnnotation):
+        """Pass server-sent events through with ``meta_info.kvshare`` as one object, and
+        remember the agent's output tokens from the last event."""
+        state = {"status": 200, "pending": b"", "last": None}
+        tok = self.get_tm().tokenizer
+
+        def fix(event: bytes) -> bytes:
+            if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
+                return event
+            try:
+                obj = json.loads(event[len(b"data: ") :])
+            except ValueError:
+                return event
+            meta = obj.get("meta_info") if isinstance(obj, dict) else None
+            if isinstance(meta, dict) and isinstance(meta.get("kvshare"), list):
+                meta["kvshare"] = meta["kvshare"][-1] if meta["kvshare"] else None
+            state["last"] = obj
+            return b"data: " + json.dumps(obj).encode()
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                message = dict(message, headers=[(k, v) for k, v in message.get("headers", [])
+                                                 if k.lower() != b"content-length"])
+            elif message["type"] == "http.response.body" and state["status"] == 200:
+                data = state["pending"] + message.get("body", b"")
+                more = message.get("more_body", False)
+                events = data.split(b"\n\n")
+                state["pending"] = events.pop() if more else b""
+                body = b"".join(fix(e) + b"\n\n" for e in events if e)
+                if not more:
+                    if state["last"] is not None:
+                        self._remember(ann, state["last"], tok)
+                message = dict(message, body=body)
+            await send(message)
+
+        return wrapped
+
+    def _remember(self, ann: KVShareAnnotation, body, tok) -> None:
+        """Keep the agent's output token ids (``body``: a response JSON, bytes or parsed)."""
         try:
-            out = json.loads(body)
+            out = json.loads(body) if isinstance(body, (bytes, str)) else body
         except ValueError:
             return
         if not isinstance(out, dict) or "output_ids" not in out:

@@ -216,3 +216,31 @@ def test_help_lists_sglang_and_kvshare_flags():
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--model-path", "--attention-backend", "--kvshare-method", "--kvshare-tau", "--kvshare-dump-dir"):
         assert flag in out.stdout
+
+
+def test_streamed_agents_get_the_record_and_their_output_is_a_source(tiny_server):
+    import json
+
+    import requests
+
+    def stream(agent, outputs):
+        body = payload("stream-1", agent, "fullshared", segments(agent, outputs), 6)
+        body["stream"] = True
+        events = []
+        with requests.post(tiny_server.url + "/generate", json=body, stream=True, timeout=300) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    events.append(json.loads(line[len(b"data: "):]))
+        return events
+
+    first = stream("solver", {})
+    assert isinstance(first[-1]["meta_info"]["kvshare"], dict)
+    text = first[-1]["text"]
+    second = stream("critic", {"solver": text})
+    meta = second[-1]["meta_info"]["kvshare"]
+    assert isinstance(meta, dict)
+    out_seg = meta["segments"][3]
+    assert out_seg["slot"] == "out:solver" and out_seg["mode"] == "injected"
+    # the exact output tokens stand for the text: all but the never-fed last token are injected
+    assert out_seg["tokens"] - out_seg["injected_tokens"] <= 1
