@@ -263,15 +263,19 @@ def run_one(
 # ----------------------------------------------------------------------------- aggregation
 
 
-def _errs(runs, positions=None, modes=REUSED_MODES):
+def _errs(runs, positions=None, modes=REUSED_MODES, kind=None):
+    """Segment errors of ``runs``; ``kind``: "q" (the question slot) or "out" (agent outputs)."""
     out = []
     for r in runs:
         for t in r["turns"]:
             if positions is not None and t["position"] not in positions:
                 continue
             for e in t.get("seg_errors") or []:
-                if "rel" in e and (modes is None or e["mode"] in modes):
-                    out.append(e)
+                if "rel" not in e or (modes is not None and e["mode"] not in modes):
+                    continue
+                if kind is not None and (e["slot"] == "q") != (kind == "q"):
+                    continue
+                out.append(e)
     return out
 
 
@@ -311,6 +315,11 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "kv_err_k_pooled": _r(pooled(reused, "k_")),
         "kv_err_v_pooled": _r(pooled(reused, "v_")),
         "kv_err_max": _r(max((e["rel"] for e in reused), default=None)),
+        # the same split by slot kind: the question (long, context-only) vs agent outputs (short)
+        "kv_err_q_pooled": _r(pooled(_errs(ok, kind="q"))),
+        "kv_err_out_pooled": _r(pooled(_errs(ok, kind="out"))),
+        "reused_segments_q": len(_errs(ok, kind="q")),
+        "reused_segments_out": len(_errs(ok, kind="out")),
         "kv_err_all_shared_mean": _r(mean(e["rel"] for e in all_shared)),
         "kv_err_all_shared_pooled": _r(pooled(all_shared)),
         "kv_err_by_position": {p: _r(pooled(_errs(ok, {p}))) for p in positions},
@@ -377,7 +386,7 @@ def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
 
     labels = list(summary)
     x = range(len(labels))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * 2), 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(labels) * 2), 4.8))
     panels = [
         ("kv_err_pooled", "kv_err_mean", "normalized KV error of reused segments"),
         ("kl_mean", None, "KL(dense || approx), first token (nats)"),
@@ -414,13 +423,16 @@ def plot_sweep(sweep: Dict[str, Dict[str, Any]], path: Path) -> None:
         method, tau = label.split("@")
         by_method[method].append((float(tau), s))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, key, title in ((axes[0], "kv_err_all_shared_pooled", "KV error, all shared segments (pooled)"),
+    for ax, key, title in ((axes[0], "kv_err_all_shared_pooled",
+                            "pooled KV error: all shared segments (solid), reused only (dashed)"),
                            (axes[1], "kl_mean", "first-token KL(dense || approx)")):
         for method, pts in sorted(by_method.items()):
             pts.sort()
             xs = [s.get("rho") or 0.0 for _, s in pts]
             ys = [s.get(key) or 0.0 for _, s in pts]
-            ax.plot(xs, ys, "o-", label=method)
+            line, = ax.plot(xs, ys, "o-", label=method)
+            if key == "kv_err_all_shared_pooled":
+                ax.plot(xs, [s.get("kv_err_pooled") or 0.0 for _, s in pts], "x--", color=line.get_color())
             for (tau, _), xx, yy in zip(pts, xs, ys):
                 ax.annotate(f"tau={tau:g}", (xx, yy), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("reuse ratio rho (non-first agents)")
@@ -490,6 +502,21 @@ def run_plan(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: s
     bar.close()
 
 
+def _git_head() -> Optional[str]:
+    """The repository's HEAD commit (and whether the tree is dirty), for the record."""
+    import subprocess
+
+    try:
+        root = Path(__file__).resolve().parent.parent
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "") if head else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default="mmlu", help="mmlu | gsm8k | gpqa | humaneval (default mmlu)")
@@ -516,6 +543,9 @@ def parse_args(argv=None):
     ap.add_argument("--keep-dumps", action="store_true")
     ap.add_argument("--server-timeout", type=float, default=900)
     ap.add_argument("--request-timeout", type=float, default=900)
+    ap.add_argument("--from-json", default=None,
+                    help="no server: recompute the summaries, table and plots of an earlier run's "
+                         "JSON from its raw records (written back to --out, default: that file)")
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks = min(args.tasks, 4)
@@ -530,14 +560,38 @@ def parse_args(argv=None):
     if args.sweep_only and not args.taus:
         ap.error("--sweep-only needs --tau-sweep")
     if args.out is None:
-        args.out = "results/fidelity_tau.json" if args.sweep_only else "results/fidelity.json"
+        if args.from_json:
+            args.out = args.from_json
+        else:
+            args.out = "results/fidelity_tau.json" if args.sweep_only else "results/fidelity.json"
     return args
+
+
+def reaggregate(src: Path, out: Path) -> None:
+    """Summaries, table and plots recomputed from the ``*_runs`` raw records of ``src``."""
+    results = json.loads(src.read_text())
+    for section in ("main", "tau_sweep"):
+        runs = results.get(section + "_runs")
+        if not runs:
+            continue
+        results[section] = {label: aggregate(rs) for label, rs in runs.items()}
+        print(f"\n{section} ({src}):\n" + markdown_table(results[section]) + "\n")
+        if section == "main":
+            plot_methods(results[section], out.with_suffix(".png"))
+        else:
+            plot_sweep(results[section], out.with_name(out.stem.replace("_tau", "") + "_tau.png"))
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(out)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        reaggregate(Path(args.from_json), out)
+        return 0
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvshare-fidelity-"))
     workdir.mkdir(parents=True, exist_ok=True)
     tasks = load_tasks(args.dataset, args.tasks, seed=args.seed)
@@ -550,7 +604,7 @@ def main(argv=None) -> int:
             "tau_sweep": args.taus, "sweep_methods": args.sweep_methods.split(","),
             "max_new_tokens": args.max_new_tokens, "top_k": TOP_K, "temperature": 0.0,
             "max_total_tokens": args.max_total_tokens, "run_tag": tag, "workdir": str(workdir),
-            "argv": sys.argv[1:], "host": platform.node(),
+            "argv": sys.argv[1:], "host": platform.node(), "git_head": _git_head(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         },
         "notes": __doc__.split("Usage")[0].strip(),

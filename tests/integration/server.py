@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 import requests
 
@@ -72,6 +73,19 @@ class Server:
                 except ProcessLookupError:
                     pass
         self._log.close()
+
+
+@contextmanager
+def running(*starters: Callable[[], Server]) -> Iterator[list[Server]]:
+    """Start servers in order; stop every one that started, whatever happens."""
+    started: list[Server] = []
+    try:
+        for start in starters:
+            started.append(start())
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 def kvshare_server(model_path: str, log_path: Path, *extra: str, **kw) -> Server:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.integration.server import kvshare_server, stock_server
+from tests.integration.server import kvshare_server, running, stock_server
 from tests.integration.workflow_helpers import payload, private_tokens, segments
 from tests.tiny_model import build_tiny_adapter
 
@@ -15,15 +15,11 @@ def lora_servers(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("lora")
     paths = [f"{a}={build_tiny_adapter(tiny_model, d / a, seed=i + 1)}" for i, a in enumerate(AGENTS)]
     flags = ["--enable-lora", "--lora-paths", *paths, "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
-    ours = kvshare_server(tiny_model, d / "ours.log", *flags)
-    try:
-        stock = stock_server(tiny_model, d / "stock.log", *flags, plugin=True)
-    except Exception:
-        ours.stop()
-        raise
-    yield ours, stock
-    ours.stop()
-    stock.stop()
+    with running(
+        lambda: kvshare_server(tiny_model, d / "ours.log", *flags),
+        lambda: stock_server(tiny_model, d / "stock.log", *flags, plugin=True),
+    ) as (ours, stock):
+        yield ours, stock
 
 
 def _turn(server, wf, agent, method, outputs):

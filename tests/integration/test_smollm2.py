@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.integration.server import kvshare_server, stock_server
+from tests.integration.server import kvshare_server, running, stock_server
 from tests.integration.workflow_helpers import payload, run_workflow, segments
 
 pytestmark = pytest.mark.slow
@@ -11,15 +11,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, smollm2_path):
     d = tmp_path_factory.mktemp("smollm2")
-    ours = kvshare_server(smollm2_path, d / "ours.log")
-    try:
-        stock = stock_server(smollm2_path, d / "stock.log")
-    except Exception:
-        ours.stop()
-        raise
-    yield ours, stock
-    ours.stop()
-    stock.stop()
+    with running(
+        lambda: kvshare_server(smollm2_path, d / "ours.log"),
+        lambda: stock_server(smollm2_path, d / "stock.log"),
+    ) as (ours, stock):
+        yield ours, stock
 
 
 def test_nonshared_is_token_identical_to_stock_sglang(servers, smollm2_path):
