@@ -115,8 +115,11 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
 
 
 def factorize(Z: torch.Tensor, rank: Optional[int], dtype: Optional[torch.dtype] = None) -> Factor:
-    """``truncated_svd(Z, rank)`` when ``rank`` is set, else a ``Dense`` copy of Z."""
-    if rank is None:
+    """``truncated_svd(Z, rank)`` when ``rank`` is set and the factors are smaller than Z
+    (r (L + D) < L D), else a ``Dense`` copy of Z (for short segments the factors would be
+    lossless and larger)."""
+    L, D = Z.shape[-2], Z.shape[-1]
+    if rank is None or rank * (L + D) >= L * D:
         return Dense(Z.to(dtype or Z.dtype, copy=True))
     return truncated_svd(Z, rank, dtype)
 

@@ -74,3 +74,16 @@ def test_effective_rank_energy():
 def test_low_rank_rejects_mismatched_factors():
     with pytest.raises(ValueError):
         LowRank(torch.zeros(4, 3), torch.zeros(2, 5))
+
+
+def test_factorize_keeps_short_matrices_dense_when_factors_would_be_larger():
+    import torch
+
+    from sglang_kvshare.lowrank import Dense, LowRank, factorize
+
+    short = torch.randn(3, 10, 192)  # 32 * (10 + 192) > 10 * 192
+    long = torch.randn(3, 200, 192)
+    assert isinstance(factorize(short, 32), Dense)
+    assert torch.equal(factorize(short, 32).reconstruct(), short)
+    f = factorize(long, 32)
+    assert isinstance(f, LowRank) and f.nbytes < long.numel() * long.element_size()
