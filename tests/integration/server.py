@@ -35,6 +35,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = dict(os.environ, **(env or {}))
+        full_env.pop("TRITON_INTERPRET", None)  # set for the kernel tests only (tests/conftest.py)
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
