@@ -36,6 +36,11 @@ class KVShareArgs:
         "evaluation mode: write the K/V of every shared segment of each finished annotated "
         "request under this directory (<workflow>/<agent>/<slot>.pt)",
     )
+    lr_cache: bool = _flag(
+        False,
+        "PReCache: keep base values plus per-adapter LR caches (needs --enable-lora and the "
+        "kvshare_torch attention backend); required by baseshared, prelr_shared, rebase_shared_lp",
+    )
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"
     )
@@ -53,6 +58,8 @@ class KVShareArgs:
         group = parser.add_argument_group("kvshare", "cross-agent KV cache sharing")
         for f in dataclasses.fields(cls):
             kw = {"default": f.default, "type": type(f.default), "help": f.metadata["help"]}
+            if isinstance(f.default, bool):
+                kw = {"default": f.default, "action": "store_true", "help": f.metadata["help"]}
             choices = f.metadata.get("choices")
             if choices is not None:
                 kw["choices"] = choices()

@@ -94,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     http.install(app, kv_args)
     server_args = prepare_server_args(with_defaults(rest, cuda))
+    if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
+        sys.exit("--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
+                 "--attention-backend kvshare_torch (the backend that holds the LR pool)")
     try:
         run_server(server_args)
     finally:

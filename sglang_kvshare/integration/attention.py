@@ -4,6 +4,10 @@ The stock torch-native extend pads each request's queries to its whole sequence,
 a few tokens after a long (cached or injected) prefix costs as much as attending the whole
 sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
 causal mask shifted by the prefix length. Decode and every other case stay stock.
+
+With ``--kvshare-lr-cache`` the backend also owns PReCache's LR pool
+(``sglang_kvshare.integration.lr_cache``): it writes base K/V as stock and attends with
+``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and decode.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.attention_registry import register_attention_backend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
 from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_kvshare.integration.lr_cache import init_lr_cache, lr_attention
 
 BACKEND_NAME = "kvshare_torch"
 
@@ -25,6 +32,54 @@ def prefix_causal_mask(q_len: int, prefix_len: int, device) -> torch.Tensor:
 
 
 class KVShareTorchAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, model_runner):
+        super().__init__(model_runner)
+        self.model_runner = model_runner
+        self.lr = None
+
+    def init_forward_metadata(self, forward_batch):
+        super().init_forward_metadata(forward_batch)
+        self.lr = init_lr_cache(self.model_runner)
+        if self.lr is not None:
+            self.lr.begin_forward(forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if not self._lr_layer(layer):
+            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
+                                forward_batch.extend_seq_lens_cpu)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if not self._lr_layer(layer):
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
+                                [1] * forward_batch.batch_size)
+
+    def _lr_layer(self, layer) -> bool:
+        return (
+            self.lr is not None
+            and layer.layer_id in self.lr.B_v
+            and not layer.is_cross_attention
+            and (layer.sliding_window_size is None or layer.sliding_window_size < 0)
+        )
+
+    def _forward_lr(self, q, k, v, layer, forward_batch, save_kv_cache, q_lens):
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = torch.empty_like(q_)
+        lr_attention(
+            q_, o,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.lr.buffers[layer.layer_id], self.lr.B_v[layer.layer_id],
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+            forward_batch.seq_lens, [int(n) for n in q_lens], self.lr.agent, layer.scaling,
+        )
+        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
     def _run_sdpa_forward_extend(
         self,
         query,

@@ -83,7 +83,8 @@ class KVShareMiddleware:
 
     async def forward_generate(self, scope, receive, send, ann: KVShareAnnotation, payload: dict) -> None:
         """Send a rewritten /generate body to SGLang, recording the agent's output tokens."""
-        if get_method(ann.method).needs_reference:
+        method = get_method(ann.method)
+        if method.needs_reference:
             await self.ensure_references(ann, payload)
         new_body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
@@ -91,6 +92,8 @@ class KVShareMiddleware:
         scope = dict(scope, headers=headers, path="/generate", raw_path=b"/generate")
         if payload.get("stream"):
             return await self.app(scope, _replay(new_body, receive), self._streaming_send(send, ann))
+        if method.lr_sharing == "rebase_lp" and payload.get("lora_path") is not None:
+            return await self.app(scope, _replay(new_body, receive), self._rebuilding_send(send, ann, payload))
         return await self.app(scope, _replay(new_body, receive), self._recording_send(send, ann))
 
     async def chat(self, scope, receive, send, body: dict) -> None:
@@ -161,6 +164,13 @@ class KVShareMiddleware:
                     f"the prompt is given by kvshare.segments; do not also send '{key}'"
                 )
         ann = parse_annotation(payload["kvshare"], self.args.method)
+        lr_sharing = get_method(ann.method).lr_sharing
+        if lr_sharing and not self.args.lr_cache:
+            raise AnnotationError(
+                f"method {ann.method} needs a server started with --enable-lora and --kvshare-lr-cache"
+            )
+        if lr_sharing == "rebase_lp" and payload.get("stream"):
+            raise AnnotationError("method rebase_shared_lp rebuilds the cache after the turn; stream is not supported")
         tm = self.get_tm()
         tok = tm.tokenizer
         prefix = _special_prefix(tok)
@@ -253,6 +263,62 @@ class KVShareMiddleware:
             await send(message)
 
         return wrapped
+
+    def _rebuilding_send(self, send, ann: KVShareAnnotation, payload: dict):
+        """ReBaseShared, lazy prefill: hold the agent's response, prefill its new tokens (prompt
+        and output) once more without an adapter into the workflow's shared namespace, then
+        answer with ``rebuild_tokens`` (computed by that prefill) in ``meta_info.kvshare``."""
+        held: dict = {"start": None, "chunks": []}
+        tok = self.get_tm().tokenizer
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                held["start"] = message
+                return
+            if message["type"] != "http.response.body":
+                return await send(message)
+            held["chunks"].append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            body = b"".join(held["chunks"])
+            start = held["start"]
+            if start is not None and start["status"] == 200:
+                self._remember(ann, body, tok)
+                out = json.loads(body)
+                out.setdefault("meta_info", {}).setdefault("kvshare", {})
+                out["meta_info"]["kvshare"]["rebuild_tokens"] = await self.rebuild(ann, payload, out)
+                body = json.dumps(out).encode()
+            headers = [(k, v) for k, v in (start or {}).get("headers", []) if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send(dict(start or {"type": "http.response.start", "status": 500}, headers=headers))
+            await send({"type": "http.response.body", "body": body})
+
+        return wrapped
+
+    async def rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> int:
+        """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        ids = list(out.get("output_ids") or [])
+        special = set(getattr(self.get_tm().tokenizer, "all_special_ids", []) or [])
+        while ids and ids[-1] in special:
+            ids.pop()
+        tokens = list(payload["input_ids"]) + ids
+        wire = WireSpec(workflow=ann.workflow, agent=ann.agent, method=ann.method,
+                        spans=(Span(0, len(tokens)),))
+        obj = GenerateReqInput(
+            input_ids=tokens,
+            sampling_params={"max_new_tokens": 1, "temperature": 0,
+                             "custom_params": {"kvshare": wire.dumps()}},
+            extra_key=wire.namespace,
+        )
+        res = None
+        async for res in self.get_tm().generate_request(obj, None):
+            pass
+        meta = (res or {}).get("meta_info", {}).get("kvshare") or {}
+        if isinstance(meta, list):
+            meta = meta[-1] if meta else {}
+        return int(meta.get("computed_tokens", 0))
 
     def _streaming_send(self, send, ann: KVShareAnnotation):
         """Pass server-sent events through with ``meta_info.kvshare`` as one object, and

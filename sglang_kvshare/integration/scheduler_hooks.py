@@ -32,6 +32,7 @@ from sglang_kvshare.integration.injection import (
     injectable_len,
     rope_of,
 )
+from sglang_kvshare.integration.lr_cache import lr_cache
 from sglang_kvshare.integration.state import META_KEY, context
 from sglang_kvshare.integration.tree import tree_of
 
@@ -58,6 +59,10 @@ def _max_prefix_len(original, req, input_len):
     cut = st.next_cut(context().registry, after=0)
     if cut is not None:
         limit = min(limit, cut - 1)
+    if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
+        # LRAgent: the agent's own X.A exists only for context it processed itself
+        seen = context().processed_prefix(st.spec.workflow, st.spec.agent, req.full_untruncated_fill_ids)
+        limit = min(limit, seen)
     return limit
 
 
@@ -143,6 +148,8 @@ def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
             st = ctx.state_of(req)
             if st is not None:
                 st.computed_tokens += req.extend_len
+                if lr_cache() is not None:
+                    st.meta.update(lr_cache().bytes_per_token())
                 st.refresh_meta()
     return new_batch, running_batch
 

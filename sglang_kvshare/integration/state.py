@@ -5,6 +5,7 @@ Only the scheduler process mutates this; SGLang runs its scheduling loop on one 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -112,6 +113,24 @@ class PluginContext:
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[tuple[str, Optional[float]], Any] = {}
         self.rope = None  # the model's RopeSpec, set at the first injection
+        # baseshared: (workflow, agent) -> token ids the agent has processed itself
+        self.processed: "OrderedDict[tuple[str, str], tuple[int, ...]]" = OrderedDict()
+
+    def remember_processed(self, workflow: str, agent: str, tokens: tuple[int, ...]) -> None:
+        self.processed[(workflow, agent)] = tokens
+        self.processed.move_to_end((workflow, agent))
+        while len(self.processed) > 16 * self.args.max_workflows:
+            self.processed.popitem(last=False)
+
+    def processed_prefix(self, workflow: str, agent: str, tokens) -> int:
+        """Length of the common prefix of ``tokens`` and what ``agent`` processed before."""
+        seen = self.processed.get((workflow, agent), ())
+        n = 0
+        for a, b in zip(seen, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
 
     def corrector(self, name: str, tau: Optional[float] = None):
         """The process-wide corrector of method ``name`` (one per gate threshold ``tau``)."""
@@ -158,6 +177,12 @@ class PluginContext:
         spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
         st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
         self.requests[req.rid] = st
+        if st.method.lr_sharing and req.lora_id and req.extra_key.endswith(req.lora_id):
+            # one tree for all adapters: SGLang appended the adapter id to the namespace
+            req.extra_key = req.extra_key[: -len(req.lora_id)]
+        if st.method.lr_sharing == "rebase_lp" and req.lora_id:
+            # its KV comes from adapted hidden states: the adapter-free rebuild caches the turn
+            req.skip_radix_cache_insert = True
         req.customized_info = {META_KEY: [st.refresh_meta()]}
         return st
 

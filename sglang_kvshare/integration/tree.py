@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.registry import (
 
 from sglang_kvshare.integration.correction_path import observe_fallbacks
 from sglang_kvshare.integration.injection import kv_layers
+from sglang_kvshare.integration.lr_cache import lr_cache
 from sglang_kvshare.integration.state import context
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -57,6 +58,22 @@ class KVShareRadixCache(RadixCache):
         indices = self.path_device_indices(node)[rec.start : rec.start + cached]
         return node, indices
 
+    def checkpoint(self, req, *, up_to: int):
+        """Stock insert; under ``baseshared`` the agent's own LR column of tokens it recomputed
+        moves onto the slots the tree already held (the base K/V stay the first agent's)."""
+        lr = lr_cache()
+        st = context().requests.get(req.rid)
+        if lr is None or st is None or st.method.lr_sharing != "baseshared" or req.lora_id is None:
+            return super().checkpoint(req, up_to=up_to)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        lo = req.kv.cache_protected_len
+        before = row[lo:up_to].clone()
+        super().checkpoint(req, up_to=up_to)
+        after = row[lo : lo + before.numel()]
+        moved = before[: after.numel()] != after
+        if bool(moved.any()):
+            lr.copy_column(before[: after.numel()][moved].long(), after[moved].long(), lr.column_of(req.lora_id))
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         ctx = context()
@@ -75,6 +92,8 @@ class KVShareRadixCache(RadixCache):
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
+        if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
+            ctx.remember_processed(spec.workflow, spec.agent, tokens)
         for slot, start, end in _cached_slots(req, st, owned):
             rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
             ctx.registry.record(spec.workflow, slot, rec)

@@ -13,6 +13,13 @@ class MethodSpec:
     corrector: name in ``sglang_kvshare.correction`` applied to injected caches (None: as is).
     chained: the correction starts from the source agent's materialised cache; otherwise from a
         context-free reference cache of the segment, which costs one extra prefill per segment.
+    lr_sharing: PReCache family (agents differ by LoRA adapter; needs ``--kvshare-lr-cache``):
+        all agents of a workflow share ONE radix namespace of base K/V plus per-adapter LR caches,
+        and reuse a common token prefix instead of injecting segments. ``baseshared``: an agent
+        still computes shared context it has not processed itself (its own X.A); ``prelr``: every
+        computed token's LR is written for all adapters, so only new tokens are computed;
+        ``rebase_lp``: as prelr, but the cache of an adapted turn is rebuilt from adapter-free
+        hidden states by one base-model prefill of its new tokens after the turn (lazy prefill).
     """
 
     name: str
@@ -20,6 +27,7 @@ class MethodSpec:
     description: str
     corrector: str | None = None
     chained: bool = True
+    lr_sharing: str | None = None
 
     @property
     def needs_reference(self) -> bool:
@@ -67,6 +75,24 @@ METHODS: dict[str, MethodSpec] = {
             "GraphFlow: one correction per recurring (slot, source, target) relation, no matching",
             corrector="graphflow",
             chained=False,
+        ),
+        MethodSpec(
+            "baseshared",
+            False,
+            "LRAgent: one base cache, each agent computes the shared context it has not processed",
+            lr_sharing="baseshared",
+        ),
+        MethodSpec(
+            "prelr_shared",
+            False,
+            "PReCache PreLRShared: LR caches of all agents written as context is computed",
+            lr_sharing="prelr",
+        ),
+        MethodSpec(
+            "rebase_shared_lp",
+            False,
+            "PReCache ReBaseShared, lazy prefill: adapter-free rebuild of each turn's new tokens",
+            lr_sharing="rebase_lp",
         ),
     )
 }

@@ -13,6 +13,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sglang_kvshare.methods import get_method
 
+# namespace suffix shared by all agents of a workflow under the LR cache methods
+LR_NAMESPACE = "__lr_shared__"
+
 
 class AnnotationError(ValueError):
     """A malformed ``kvshare`` annotation; the message names the problem (HTTP 400)."""
@@ -187,7 +190,10 @@ class WireSpec:
 
     @property
     def namespace(self) -> str:
-        """Radix-tree namespace (``extra_key``) of this agent's caches in this workflow."""
+        """Radix-tree namespace (``extra_key``) of this agent's caches in this workflow; one
+        namespace for all agents of the workflow under the PReCache (LR cache) methods."""
+        if get_method(self.method).lr_sharing:
+            return f"kvshare\x1f{self.workflow}\x1f{LR_NAMESPACE}"
         return f"kvshare\x1f{self.workflow}\x1f{self.agent}"
 
     def dumps(self) -> str:

@@ -1,0 +1,254 @@
+"""PReCache's LR cache inside SGLang: the value LoRA delta kept as per-agent rank-r columns.
+
+With ``--kvshare-lr-cache`` (and ``--enable-lora``) the KV pool holds base values
+``V_base = X W0_v`` for every token, whichever adapter computed it, and an LR pool indexed by the
+same slots holds ``s_k X A_k^T`` ([r] per layer) for EVERY resident adapter k, written as ``X`` is
+produced. Agent j attends with ``P V_base + (P LR_j) B_j`` (``kvshare_torch`` backend,
+:func:`lr_attention`), so the value delta is never materialised and the base cache can serve any
+agent. Two hooks make it happen:
+
+- ``QKVParallelLinearWithLoRA.apply_lora`` (AROUND): the stock q/k LoRA deltas are applied, the v
+  delta is left out (the B rows of v are zeroed for the call), and the LR values of all resident
+  adapters are written at the forward's ``out_cache_loc``.
+- ``LoRAManager.fetch_new_loras`` (AROUND): every loaded adapter stays resident in the LoRA
+  memory pool, so each has a stable buffer slot = its LR column (PreLRShared writes all of them).
+
+Adapters on ``k_proj`` are refused: their delta enters the keys, which the shared base cache
+cannot hold per agent (the paper's key LR cache is not wired into the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+import torch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_kvshare.integration.state import context
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {
+    "qkv_apply_lora": "sglang.srt.lora.layers.QKVParallelLinearWithLoRA.apply_lora",
+    "fetch_new_loras": "sglang.srt.lora.lora_manager.LoRAManager.fetch_new_loras",
+}
+
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+
+
+class LRCache:
+    """The LR pool of one scheduler process (one model runner)."""
+
+    def __init__(self, model_runner):
+        lm = model_runner.lora_manager
+        if lm is None:
+            raise ValueError("--kvshare-lr-cache needs --enable-lora")
+        self.runner = model_runner
+        self.manager = lm
+        self.n_slots = lm.max_loras_per_batch
+        self.kv_pool = model_runner.token_to_kv_pool
+        self.layer_of: dict[int, int] = {}
+        for name, mod in model_runner.model.named_modules():
+            if type(mod).__name__ == "QKVParallelLinearWithLoRA":
+                m = _LAYER_RE.search("." + name + ".")
+                if m:
+                    self.layer_of[id(mod)] = int(m.group(1))
+        self.buffers: dict[int, torch.Tensor] = {}  # layer -> [kv rows, n_slots, max_r]
+        self.B_v: dict[int, torch.Tensor] = {}  # layer -> [n_slots, max_r, kv_dim], last forward
+        self.agent: Optional[torch.Tensor] = None  # [bs] LR column of each request; -1 base
+        self.out_cache_loc: Optional[torch.Tensor] = None
+        self.check_adapters()
+
+    def check_adapters(self) -> None:
+        loras = self.manager.loras
+        if len(loras) + 1 > self.n_slots:
+            raise ValueError(
+                f"--kvshare-lr-cache keeps every adapter resident: --max-loras-per-batch must be at "
+                f"least {len(loras) + 1} (adapters + the base model), got {self.n_slots}"
+            )
+        for uid, lora in loras.items():
+            targets = lora.config.target_modules
+            targets = [targets] if isinstance(targets, str) else list(targets or [])
+            if any(t in ("k_proj", "qkv_proj", "all-linear") for t in targets):
+                raise ValueError(
+                    f"adapter {uid} adapts k_proj; the engine's LR cache holds value deltas only "
+                    f"(use q/v/o adapters with --kvshare-lr-cache)"
+                )
+
+    def begin_forward(self, forward_batch) -> None:
+        ids = forward_batch.lora_ids or [None] * forward_batch.batch_size
+        slots = self.manager.memory_pool.uid_to_buffer_id
+        self.agent = torch.tensor([slots[u] if u is not None else -1 for u in ids], dtype=torch.int64)
+        self.out_cache_loc = forward_batch.out_cache_loc
+
+    def column_of(self, lora_id: Optional[str]) -> int:
+        return -1 if lora_id is None else self.manager.memory_pool.uid_to_buffer_id[lora_id]
+
+    def buffer(self, layer: int, max_r: int) -> torch.Tensor:
+        buf = self.buffers.get(layer)
+        if buf is None or buf.shape[2] != max_r:
+            rows = self.kv_pool.get_value_buffer(layer).shape[0]
+            dtype = self.kv_pool.get_value_buffer(layer).dtype
+            buf = torch.zeros(rows, self.n_slots, max_r, dtype=dtype, device=self.kv_pool.device)
+            self.buffers[layer] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Per cached token: base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
+        kv = sum(
+            self.kv_pool.get_key_buffer(i)[0].numel() * self.kv_pool.get_key_buffer(i).element_size()
+            + self.kv_pool.get_value_buffer(i)[0].numel() * self.kv_pool.get_value_buffer(i).element_size()
+            for i in sorted(set(self.layer_of.values()))
+        )
+        elem = self.kv_pool.get_value_buffer(0).element_size()
+        lr = len(self.layer_of) * self.manager.memory_pool.max_lora_rank * elem
+        return {"kv_bytes_per_token": kv, "lr_bytes_per_token_per_agent": lr}
+
+    @torch.no_grad()
+    def apply_qkv(self, mod, base_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q/k LoRA deltas as stock, no v delta; LR values of all resident adapters written."""
+        layer = self.layer_of[id(mod)]
+        A, B = mod.A_buffer_qkv, mod.B_buffer_qkv  # [slots, 3 max_r, hidden], [slots, q+2kv, max_r]
+        off = mod.output_offset_cpu.tolist()  # [0, q, q+kv, q+2kv]
+        B_qk = B.clone()
+        B_qk[:, off[2] : off[3]] = 0
+        out = mod.lora_backend.run_qkv_lora(
+            x=x, qkv_lora_a=A, qkv_lora_b=B_qk, base_output=base_output,
+            output_offset=mod.output_offset, output_offset_cpu=mod.output_offset_cpu,
+            max_qkv_out_dim=mod.max_qkv_out_dim,
+        )
+        max_r = A.shape[1] // 3
+        loc = self.out_cache_loc
+        if loc is None or loc.numel() != x.shape[0]:
+            raise RuntimeError(f"LR cache: {x.shape[0]} tokens but {None if loc is None else loc.numel()} KV slots")
+        lr = torch.zeros(x.shape[0], self.n_slots, max_r, dtype=x.dtype, device=x.device)
+        for uid, slot in self.manager.memory_pool.uid_to_buffer_id.items():
+            lora = self.manager.loras.get(uid) if uid is not None else None
+            if lora is None:
+                continue
+            r = lora.config.r
+            lr[:, slot, :r] = torch.mm(x, A[slot, 2 * r : 3 * r].T) * lora.scaling
+        buf = self.buffer(layer, max_r)
+        buf[loc] = lr.to(buf.dtype)
+        self.B_v[layer] = B[:, off[2] : off[3]].transpose(1, 2).contiguous()
+        return out
+
+    @torch.no_grad()
+    def copy_column(self, src: torch.Tensor, dst: torch.Tensor, column: int) -> None:
+        """LR column ``column`` of slots ``src`` -> slots ``dst`` in every layer."""
+        for buf in self.buffers.values():
+            buf[dst, column] = buf[src, column]
+
+
+def lr_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    lr_buf: torch.Tensor,
+    B_v: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: list[int],
+    agent: torch.Tensor,
+    scaling: Optional[float],
+) -> torch.Tensor:
+    """Flash-LoRA-Attention over SGLang's paged pools, torch path: ``P V_base + (P LR_j) B_j``.
+
+    q/out [T, Hq, D]; k/v_cache [rows, Hkv, D]; lr_buf [rows, n_slots, r]; B_v [n_slots, r,
+    Hkv*D]. The request's LR column rides as r extra value channels of one SDPA call, which yields
+    ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is added per head (GQA: KV head g's
+    columns of B). Queries of request i are its last ``q_lens[i]`` tokens (extend or decode).
+    """
+    if q.is_cuda:
+        from sglang_kvshare.kernels.flash_lora_attention import HAS_TRITON, flash_lora_attention_triton
+
+        if HAS_TRITON:
+            return _lr_attention_triton(q, out, k_cache, v_cache, lr_buf, B_v, req_to_token,
+                                        req_pool_indices, seq_lens, q_lens, agent, scaling,
+                                        flash_lora_attention_triton)
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    start = 0
+    for i, q_len in enumerate(q_lens):
+        kv_len = int(seq_lens[i])
+        prefix = kv_len - q_len
+        tokens = req_to_token[req_pool_indices[i], :kv_len]
+        qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q, D]
+        k = k_cache[tokens].transpose(0, 1).to(qi.dtype)  # [Hkv, kv, D]
+        v = v_cache[tokens].transpose(0, 1).to(qi.dtype)
+        j = int(agent[i])
+        if j >= 0:
+            lr = lr_buf[tokens, j].to(qi.dtype)  # [kv, r]
+            v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
+        mask = None
+        if prefix > 0:
+            q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
+        o = scaled_dot_product_attention(
+            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+            is_causal=prefix == 0 and q_len > 1, scale=scaling, enable_gqa=G > 1,
+        ).squeeze(0)  # [Hq, q, D (+ r)]
+        res = o[..., :D]
+        if j >= 0:
+            r = lr_buf.shape[2]
+            Bh = B_v[j].to(qi.dtype).view(r, Hkv, D).permute(1, 0, 2).repeat_interleave(G, 0)
+            res = res + torch.bmm(o[..., D:], Bh)  # [Hq, q, r] @ [Hq, r, D]
+        out[start : start + q_len] = res.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _lr_attention_triton(q, out, k_cache, v_cache, lr_buf, B_v, req_to_token, req_pool_indices,
+                         seq_lens, q_lens, agent, scaling, kernel):
+    dev = q.device
+    lens = [int(s) for s in seq_lens.tolist()]
+    kv_indices = torch.cat([req_to_token[req_pool_indices[i], :n] for i, n in enumerate(lens)])
+    qo = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
+    kvp = torch.tensor([0, *lens], device=dev).cumsum(0).to(torch.int32)
+    res = kernel(q, k_cache, v_cache, kv_indices.to(torch.int32), qo, kvp, lr_buf, B_v,
+                 agent.to(dev), scaling, True, max_q_len=max(q_lens))
+    out.copy_(res)
+    return out
+
+
+_LR: Optional[LRCache] = None
+
+
+def lr_cache() -> Optional[LRCache]:
+    return _LR
+
+
+def init_lr_cache(model_runner) -> Optional[LRCache]:
+    """Create the LR pool once per process when ``--kvshare-lr-cache`` is on."""
+    global _LR
+    if _LR is None and context().args.lr_cache:
+        _LR = LRCache(model_runner)
+        logger.info("kvshare LR cache: %d adapter columns, %d layers", _LR.n_slots, len(_LR.layer_of))
+    return _LR
+
+
+def _qkv_apply_lora(original, mod, base_output, x):
+    lr = _LR
+    if lr is None or id(mod) not in lr.layer_of:
+        return original(mod, base_output, x)
+    return lr.apply_qkv(mod, base_output, x)
+
+
+def _fetch_new_loras(original, manager, new_loras, running_loras=set()):
+    if _LR is not None and _LR.manager is manager:
+        new_loras = set(new_loras) | set(manager.loras) | {None}
+    return original(manager, new_loras, running_loras)
+
+
+def register_lr_hooks() -> None:
+    HookRegistry.register(TARGETS["qkv_apply_lora"], _qkv_apply_lora, HookType.AROUND)
+    HookRegistry.register(TARGETS["fetch_new_loras"], _fetch_new_loras, HookType.AROUND)

@@ -1,0 +1,144 @@
+"""PReCache in the engine (``--kvshare-lr-cache``): LoRA agents sharing one base cache plus LR caches.
+
+A three-agent round-robin over a growing trajectory (fixed observations appended turn by turn,
+so every prompt extends the previous one) on the tiny model with three random q/v adapters.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.integration.server import kvshare_server, running, stock_server
+from tests.tiny_model import build_tiny_adapter
+
+AGENTS = ("planner", "actor", "reflector")
+HEADER = "<|im_start|>system\nA team of agents works on one task. Task: " + " ".join(
+    f"step {i} moves crate {i} to shelf {i % 4}." for i in range(20)
+) + "<|im_end|>\n"
+OBS = [f"Observation {t}: " + " ".join(f"item {t}-{i} is ready." for i in range(6 + t)) for t in range(8)]
+
+
+@pytest.fixture(scope="module")
+def lr_servers(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("precache")
+    paths = [f"{a}={build_tiny_adapter(tiny_model, d / a, seed=10 + i)}" for i, a in enumerate(AGENTS)]
+    flags = ["--enable-lora", "--lora-paths", *paths, "--lora-backend", "torch_native",
+             "--max-loras-per-batch", "4"]
+    with running(
+        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache"),
+        lambda: stock_server(tiny_model, d / "stock.log", *flags, plugin=True),
+    ) as (ours, stock):
+        yield ours, stock
+
+
+def turn_segments(t: int) -> list[dict]:
+    segs = [{"text": HEADER, "shared": False}]
+    for s in range(t):
+        segs.append({"text": f"<|im_start|>{AGENTS[s % 3]}\n{OBS[s]}<|im_end|>\n", "shared": True, "slot": f"turn{s}"})
+    segs.append({"text": f"<|im_start|>{AGENTS[t % 3]}\n", "shared": False})
+    return segs
+
+
+def ask(server, wf, method, t, agent=None, lora=True, max_new_tokens=6):
+    agent = agent or AGENTS[t % 3]
+    body = {
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        "kvshare": {"workflow": wf, "agent": agent, "method": method, "segments": turn_segments(t)},
+    }
+    if lora:
+        body["lora_path"] = agent
+    r = server.generate(body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stock_ids(tok, t):
+    return [i for s in turn_segments(t) for i in tok.encode(s["text"], add_special_tokens=False)]
+
+
+def stock_generate(stock, ids, lora, max_new_tokens=6):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if lora:
+        body["lora_path"] = lora
+    r = stock.generate(body)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_lr_split_attention_matches_stock_lora(lr_servers, tiny_model):
+    """nonshared under the LR cache (v delta as P V_base + (P LR) B) = stock LoRA, one adapter
+    per request and a mixed batch of all three."""
+    from transformers import AutoTokenizer
+
+    ours, stock = lr_servers
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = stock_ids(tok, 3)
+    for agent in AGENTS:
+        out = ask(ours, f"split-{agent}", "nonshared", 3, agent=agent, max_new_tokens=12)
+        assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
+        assert out["meta_info"]["kvshare"]["lr_bytes_per_token_per_agent"] > 0
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda a: ask(ours, f"mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS))
+    ids = stock_ids(tok, 4)
+    for agent, out in zip(AGENTS, outs):
+        assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
+    # the adapters act: the base model gives other tokens
+    assert stock_generate(stock, ids, None, 12) not in [o["output_ids"] for o in outs]
+
+
+def _round_robin(server, method, turns=6):
+    return [ask(server, f"rr-{method}", method, t)["meta_info"]["kvshare"] for t in range(turns)]
+
+
+def test_computed_tokens_in_a_round_robin(lr_servers):
+    ours, _ = lr_servers
+    runs = {m: _round_robin(ours, m) for m in ("nonshared", "baseshared", "prelr_shared", "rebase_shared_lp")}
+    prompt = [m["prompt_tokens"] for m in runs["nonshared"]]
+    for method, metas in runs.items():
+        assert [m["prompt_tokens"] for m in metas] == prompt, method
+        assert metas[0]["computed_tokens"] == prompt[0], method
+    for t in range(1, 6):
+        new = prompt[t] - prompt[t - 1]
+        # PreLRShared / ReBaseShared: only the turn's new tokens
+        assert runs["prelr_shared"][t]["computed_tokens"] <= new, t
+        assert runs["rebase_shared_lp"][t]["computed_tokens"] <= new, t
+        # LRAgent and no sharing: the shared context the agent has not processed itself
+        assert runs["baseshared"][t]["computed_tokens"] == runs["nonshared"][t]["computed_tokens"], t
+        unseen = prompt[t] - (prompt[t - 3] if t >= 3 else 0)
+        assert runs["nonshared"][t]["computed_tokens"] >= unseen - 6, t
+        assert runs["nonshared"][t]["computed_tokens"] > 2 * new, t
+    # ReBaseShared LP: each adapted turn's new tokens (prompt and output) are prefilled once more
+    # without an adapter
+    rebuilt = [(m["rebuild_tokens"], m["computed_tokens"]) for m in runs["rebase_shared_lp"]]
+    assert all(r >= c for r, c in rebuilt) and any(r > c for r, c in rebuilt), rebuilt
+
+
+def test_baseshared_equals_nonshared_when_the_agent_produced_the_context(lr_servers, tiny_model):
+    from transformers import AutoTokenizer
+
+    ours, stock = lr_servers
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for t in (0, 3):  # the same agent twice; its second prompt extends its first
+        base = ask(ours, "solo-base", "baseshared", t, agent="planner", max_new_tokens=10)
+        dense = ask(ours, "solo-dense", "nonshared", t, agent="planner", max_new_tokens=10)
+        assert base["output_ids"] == dense["output_ids"] == stock_generate(stock, stock_ids(tok, t), "planner", 10)
+    assert base["meta_info"]["kvshare"]["computed_tokens"] < base["meta_info"]["kvshare"]["prompt_tokens"]
+
+
+def test_rebase_lp_leaves_the_adapter_free_cache(lr_servers):
+    """After ReBaseShared's rebuild, the next agent sees exactly the cache a base-model turn leaves:
+    the same outputs as a workflow whose first turns ran without any adapter (PreLR)."""
+    ours, _ = lr_servers
+    rebased = [ask(ours, "rb-lp", "rebase_shared_lp", t) for t in range(3)]
+    neutral = [ask(ours, "rb-neutral", "prelr_shared", t, lora=t == 2) for t in range(3)]
+    assert rebased[2]["output_ids"] == neutral[2]["output_ids"]
+    assert rebased[2]["meta_info"]["kvshare"]["computed_tokens"] == neutral[2]["meta_info"]["kvshare"]["computed_tokens"]
+
+
+def test_lr_methods_need_the_lr_cache(tiny_server):
+    body = {"sampling_params": {"max_new_tokens": 2},
+            "kvshare": {"workflow": "w", "agent": "a", "method": "prelr_shared", "segments": turn_segments(1)}}
+    r = tiny_server.generate(body)
+    assert r.status_code == 400 and "--kvshare-lr-cache" in r.text
+    body["kvshare"]["method"] = "nonshared"
+    assert tiny_server.generate(body).status_code == 200
