@@ -38,11 +38,22 @@ tasks as a determinism check (expected: KL 0, exact 1).
 ``--tau-sweep 0.1,0.3,...`` re-runs ``--sweep-methods`` (kvcmas, kvcomm) with per-request ``tau``
 on fresh workflow ids and a fresh server (fresh anchor pools), and plots rho against error.
 
+``--agents lora`` (PReCache): agents differ only by LoRA adapter (``solver``, ``critic``, ``final``
+from ``adapters/``) and take turns in one growing chat over GSM8K tasks
+(``workflows.lora_conversation_roles``), so each prompt extends the previous agent's prompt and
+output. Methods nonshared, baseshared, prelr_shared and rebase_shared_lp run on a server with
+``--kvshare-lr-cache``; fullshared (reuse of the previous agent's full cache, value delta
+included) on a plain LoRA server. Reported per method: ``prompt_reuse_later`` (1 - computed /
+prompt tokens of the non-first agents), computed and ``rebuild_tokens`` (ReBaseShared's
+adapter-free prefills), first-token KL and greedy agreement vs the nonshared shadow, and the KV
+bytes per token against one agent's LR bytes per token (as the server reports them).
+
 Usage (from the repository root):
 
     .venv/bin/python -m benchmarks.fidelity --quick                 # 4 tasks, smoke run
     .venv/bin/python -m benchmarks.fidelity                         # 40 MMLU tasks, 6 methods
     .venv/bin/python -m benchmarks.fidelity --tau-sweep 0.1,0.3,0.5,0.7,0.9 --sweep-only --tasks 20
+    .venv/bin/python -m benchmarks.fidelity --agents lora          # 40 GSM8K tasks, LoRA agents
 
 Outputs: ``--out`` (results/fidelity.json, rewritten after every task), the plot next to it
 (``.png``; ``_tau.png`` for the sweep) and a markdown table on stdout.
@@ -82,10 +93,16 @@ from benchmarks.fidelity_metrics import (
     reuse_counts,
     safe_name,
 )
-from sglang_kvshare.workflows import get_roles, http_sender, load_tasks, run_task
+from sglang_kvshare.methods import get_method
+from sglang_kvshare.workflows import get_roles, http_sender, load_tasks, lora_conversation_roles, run_task
 
 MAIN_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas_nonchained", "kvcomm", "graphflow")
-KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",)
+# --agents lora: agents that differ by LoRA adapter (PReCache); fullshared runs on a server
+# without the LR cache (it reuses the previous agent's full cache, value delta included)
+LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_lp")
+KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:]
+REPO = Path(__file__).resolve().parent.parent
+ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
 TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate
 TOPOLOGY = "sequential"
 TOP_K = 20
@@ -169,6 +186,9 @@ def analyse_turn(
         "corrections_accepted": kv.get("corrections_accepted", 0),
         "corrections_rejected": kv.get("corrections_rejected", 0),
         "anchor_bytes": kv.get("anchor_bytes"),
+        "rebuild_tokens": kv.get("rebuild_tokens", 0),
+        "kv_bytes_per_token": kv.get("kv_bytes_per_token"),
+        "lr_bytes_per_token_per_agent": kv.get("lr_bytes_per_token_per_agent"),
         "shared_tokens": shared,
         "shared_reused": reused,
         "segments": [
@@ -341,6 +361,13 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "anchor_bytes": max(anchor) if anchor else None,
         "anchor_bytes_reported_turns": len(anchor),
         "computed_tokens": sum(t["computed_tokens"] or 0 for t in turns),
+        # prompt tokens not computed by the non-first agents (cached prefix, injected, corrected)
+        "prompt_reuse_later": _r(1.0 - sum(t["computed_tokens"] or 0 for t in later)
+                                 / max(1, sum(t["prompt_tokens"] or 0 for t in later))),
+        "rebuild_tokens": sum(t.get("rebuild_tokens") or 0 for t in turns),
+        "kv_bytes_per_token": max((t.get("kv_bytes_per_token") or 0 for t in turns), default=0) or None,
+        "lr_bytes_per_token_per_agent": max((t.get("lr_bytes_per_token_per_agent") or 0 for t in turns),
+                                            default=0) or None,
         "prompt_tokens": sum(t["prompt_tokens"] or 0 for t in turns),
         "reference_tokens": sum(t["reference_tokens"] or 0 for t in turns),
         "computed_by_position": {p: sum(t["computed_tokens"] or 0 for t in turns if t["position"] == p) for p in positions},
@@ -353,13 +380,22 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def markdown_table(summary: Dict[str, Dict[str, Any]]) -> str:
-    cols = [
+LORA_COLUMNS = [
+    ("method", None), ("prompt reuse", "prompt_reuse_later"), ("KL mean", "kl_mean"), ("top1", "top1_agree"),
+    ("exact", "exact_match"), ("lead", "lead_agree"), ("computed", "computed_tokens"),
+    ("rebuild", "rebuild_tokens"), ("KV B/token", "kv_bytes_per_token"),
+    ("LR B/token/agent", "lr_bytes_per_token_per_agent"), ("accuracy", "accuracy"), ("tasks", "tasks"),
+]
+
+
+def markdown_table(summary: Dict[str, Dict[str, Any]], lora: bool = False) -> str:
+    cols = LORA_COLUMNS if lora else [
         ("method", None), ("rho", "rho"), ("KV err mean", "kv_err_mean"), ("KV err pooled", "kv_err_pooled"),
         ("KV err all-shared", "kv_err_all_shared_pooled"), ("KL mean", "kl_mean"), ("top1", "top1_agree"),
         ("exact", "exact_match"), ("lead", "lead_agree"), ("computed", "computed_tokens"),
         ("acc/rej", None), ("anchor bytes", "anchor_bytes"), ("accuracy", "accuracy"), ("tasks", "tasks"),
     ]
+    cols = list(cols)
     lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
     for label, s in summary.items():
         row = []
@@ -378,7 +414,7 @@ def markdown_table(summary: Dict[str, Dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- plots
 
 
-def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
+def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path, lora: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,6 +424,7 @@ def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
     x = range(len(labels))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.1 * len(labels) * 2), 4.8))
     panels = [
+        ("computed_tokens", None, "computed prompt tokens, all turns") if lora else
         ("kv_err_pooled", "kv_err_mean", "normalized KV error of reused segments"),
         ("kl_mean", None, "KL(dense || approx), first token (nats)"),
     ]
@@ -400,9 +437,10 @@ def plot_methods(summary: Dict[str, Dict[str, Any]], path: Path) -> None:
             ax.legend(fontsize=8)
         top = max(vals + extra + [1e-9])
         for b, m in zip(bars, labels):
-            rho = summary[m].get("rho")
+            rho = summary[m].get("prompt_reuse_later" if lora else "rho")
+            name = "reuse" if lora else "rho"
             ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.02 * top,
-                    "rho=-" if rho is None else f"rho={rho:.2f}", ha="center", fontsize=8)
+                    f"{name}=-" if rho is None else f"{name}={rho:.2f}", ha="center", fontsize=8)
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -449,7 +487,7 @@ def plot_sweep(sweep: Dict[str, Dict[str, Any]], path: Path) -> None:
 class Backend:
     """The server: started here (with a dump dir) or attached to (``--server-url``)."""
 
-    def __init__(self, args, workdir: Path, name: str):
+    def __init__(self, args, workdir: Path, name: str, lr_cache: bool = False):
         self.server = None
         if args.server_url:
             self.url = args.server_url
@@ -462,6 +500,11 @@ class Backend:
         self.log_path = workdir / f"server-{name}.log"
         flags = ["--kvshare-dump-dir", str(self.dump_root), "--max-total-tokens", str(args.max_total_tokens),
                  "--kvshare-tau", str(args.tau)]
+        if args.agents == "lora":
+            flags += ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
+                      "--lora-paths", *[f"{n}={p}" for n, p in ADAPTERS.items()]]
+        if lr_cache:
+            flags.append("--kvshare-lr-cache")
         print(f"starting server ({name}), log {self.log_path}", flush=True)
         t0 = time.time()
         self.server = kvshare_server(str(ensure_default_model()), self.log_path, *flags,
@@ -519,12 +562,17 @@ def _git_head() -> Optional[str]:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", default="mmlu", help="mmlu | gsm8k | gpqa | humaneval (default mmlu)")
+    ap.add_argument("--agents", choices=("prompt", "lora"), default="prompt",
+                    help="prompt: agents differ by system prompt (KVCMAS); lora: by LoRA adapter "
+                         "(PReCache; the adapters in adapters/, one growing chat)")
+    ap.add_argument("--dataset", default=None, help="mmlu | gsm8k | gpqa | humaneval (default mmlu; "
+                    "gsm8k with --agents lora)")
     ap.add_argument("--tasks", type=int, default=40, help="tasks (default 40)")
     ap.add_argument("--quick", action="store_true", help="4 tasks, smoke run")
     ap.add_argument("--seed", type=int, default=0, help="task sampling seed of load_tasks")
-    ap.add_argument("--methods", default=",".join(MAIN_METHODS),
-                    help=f"comma list of {', '.join(KNOWN_METHODS)}")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list of {', '.join(KNOWN_METHODS)} (default: {', '.join(MAIN_METHODS)}; "
+                         f"with --agents lora: {', '.join(LORA_METHODS)})")
     ap.add_argument("--tau", type=float, default=0.3,
                     help="gate threshold of the main run, sent per request to the gated methods")
     ap.add_argument("--tau-sweep", default="", help="e.g. 0.1,0.3,0.5,0.7,0.9")
@@ -549,6 +597,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks = min(args.tasks, 4)
+    lora = args.agents == "lora"
+    args.dataset = args.dataset or ("gsm8k" if lora else "mmlu")
+    if args.methods is None:
+        args.methods = ",".join(LORA_METHODS if lora else MAIN_METHODS)
     methods = [m for m in args.methods.split(",") if m]
     for m in methods + args.sweep_methods.split(","):
         if m not in KNOWN_METHODS:
@@ -557,13 +609,16 @@ def parse_args(argv=None):
     args.taus = [float(t) for t in args.tau_sweep.split(",") if t]
     if any(not 0.0 <= t <= 1.0 for t in args.taus + [args.tau]):
         ap.error("tau must be in [0, 1]")
+    if lora and args.taus:
+        ap.error("--tau-sweep is for the gated prompt-agent methods, not --agents lora")
     if args.sweep_only and not args.taus:
         ap.error("--sweep-only needs --tau-sweep")
     if args.out is None:
         if args.from_json:
             args.out = args.from_json
         else:
-            args.out = "results/fidelity_tau.json" if args.sweep_only else "results/fidelity.json"
+            args.out = ("results/fidelity_tau.json" if args.sweep_only
+                        else "results/fidelity_lora.json" if lora else "results/fidelity.json")
     return args
 
 
@@ -575,9 +630,10 @@ def reaggregate(src: Path, out: Path) -> None:
         if not runs:
             continue
         results[section] = {label: aggregate(rs) for label, rs in runs.items()}
-        print(f"\n{section} ({src}):\n" + markdown_table(results[section]) + "\n")
+        lora = results.get("config", {}).get("agents_kind") == "lora"
+        print(f"\n{section} ({src}):\n" + markdown_table(results[section], lora=lora) + "\n")
         if section == "main":
-            plot_methods(results[section], out.with_suffix(".png"))
+            plot_methods(results[section], out.with_suffix(".png"), lora=lora)
         else:
             plot_sweep(results[section], out.with_name(out.stem.replace("_tau", "") + "_tau.png"))
     tmp = out.with_suffix(".json.tmp")
@@ -595,11 +651,12 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvshare-fidelity-"))
     workdir.mkdir(parents=True, exist_ok=True)
     tasks = load_tasks(args.dataset, args.tasks, seed=args.seed)
-    roles = get_roles(args.dataset)
+    lora = args.agents == "lora"
+    roles = lora_conversation_roles(args.dataset) if lora else get_roles(args.dataset)
     tag = uuid.uuid4().hex[:8]
     results: Dict[str, Any] = {
         "config": {
-            "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
+            "agents_kind": args.agents, "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
             "agents": [r.name for r in roles.roles], "methods": args.method_list, "tau": args.tau,
             "tau_sweep": args.taus, "sweep_methods": args.sweep_methods.split(","),
             "max_new_tokens": args.max_new_tokens, "top_k": TOP_K, "temperature": 0.0,
@@ -618,16 +675,23 @@ def main(argv=None) -> int:
 
     print(f"fidelity: {len(tasks)} {args.dataset} tasks, results -> {out}, workdir {workdir}", flush=True)
     if not args.sweep_only and args.method_list:
-        backend = Backend(args, workdir, "main")
-        try:
-            # labels of the main run are the plain method names; its tau is in the config
-            plan = [(m, m, args.tau if m in TAU_METHODS else None) for m in args.method_list]
-            run_plan(args, backend, tasks, roles, plan, tag, results, "main", save)
-        finally:
-            backend.stop()
+        # labels of the main run are the plain method names; its tau is in the config
+        plan = [(m, m, args.tau if m in TAU_METHODS else None) for m in args.method_list]
+        groups = [("main", False, plan)]
+        if lora:  # the LR cache methods (and their nonshared reference) on an LR-cache server
+            lr = [p for p in plan if p[1] == "nonshared" or get_method(p[1]).lr_sharing]
+            groups = [("main-lr", True, lr), ("main-full", False, [p for p in plan if p not in lr])]
+        for name, lr_cache, group in groups:
+            if not group:
+                continue
+            backend = Backend(args, workdir, name, lr_cache=lr_cache)
+            try:
+                run_plan(args, backend, tasks, roles, group, tag, results, "main", save)
+            finally:
+                backend.stop()
         summary = results["main"]
-        plot_methods(summary, out.with_suffix(".png"))
-        print("\n" + markdown_table(summary) + "\n", flush=True)
+        plot_methods(summary, out.with_suffix(".png"), lora=lora)
+        print("\n" + markdown_table(summary, lora=lora) + "\n", flush=True)
         print(f"plot: {out.with_suffix('.png')}", flush=True)
     if args.taus:
         sweep_tasks = tasks[: args.sweep_tasks] if args.sweep_tasks else tasks

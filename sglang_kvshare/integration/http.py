@@ -169,6 +169,11 @@ class KVShareMiddleware:
             raise AnnotationError(
                 f"method {ann.method} needs a server started with --enable-lora and --kvshare-lr-cache"
             )
+        if self.args.lr_cache and payload.get("lora_path") is not None and get_method(ann.method).corrector:
+            raise AnnotationError(
+                f"method {ann.method} corrects K/V; on a --kvshare-lr-cache server LoRA agents use "
+                "nonshared, fullshared, baseshared, prelr_shared or rebase_shared_lp"
+            )
         if lr_sharing == "rebase_lp" and payload.get("stream"):
             raise AnnotationError("method rebase_shared_lp rebuilds the cache after the turn; stream is not supported")
         tm = self.get_tm()

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
 
+from sglang_kvshare.integration.lr_cache import lr_cache
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.rope import RopeSpec, inv_freq_for, shift_keys
 from sglang_kvshare.segments import Span
@@ -103,6 +104,9 @@ def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: in
                 kv_correct(k_buf, v_buf, src, dst64, delta, rope)
         else:
             copy_all_layers(pool, src, dst64, delta, rope)
+        lr = lr_cache()
+        if lr is not None:
+            lr.copy_rows(src, dst64)
     finally:
         tree.unlock(lock)
     return InjectResult(num_tokens=len(src_idx), source_agent=rec.agent, dst=dst)

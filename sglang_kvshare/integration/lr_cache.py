@@ -140,6 +140,13 @@ class LRCache:
         return out
 
     @torch.no_grad()
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """All LR columns of slots ``src`` -> slots ``dst`` (an injected segment keeps the LR
+        caches its source computed; LR values carry no position)."""
+        for buf in self.buffers.values():
+            buf[dst] = buf[src]
+
+    @torch.no_grad()
     def copy_column(self, src: torch.Tensor, dst: torch.Tensor, column: int) -> None:
         """LR column ``column`` of slots ``src`` -> slots ``dst`` in every layer."""
         for buf in self.buffers.values():

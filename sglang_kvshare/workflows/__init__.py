@@ -14,6 +14,7 @@ from sglang_kvshare.workflows.roles import (
     Role,
     RoleSet,
     get_roles,
+    lora_conversation_roles,
     with_lora_adapters,
 )
 from sglang_kvshare.workflows.scoring import (
@@ -64,6 +65,7 @@ __all__ = [
     "build_schedule",
     "build_segments",
     "get_roles",
+    "lora_conversation_roles",
     "http_sender",
     "load_tasks",
     "out_slot",

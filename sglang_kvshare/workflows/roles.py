@@ -238,6 +238,30 @@ def get_roles(dataset: str) -> RoleSet:
     return _ROLE_SETS[dataset]
 
 
+_AO = CHATML.assistant_open
+_LORA_TURNS = (
+    ("solver", "Solver", "\n\nSolve the problem step by step and end with '#### <answer>'."),
+    ("critic", "Critic", "<|im_end|>\n<|im_start|>user\nCheck the proposed solution above and give a verdict."),
+    ("final", "Final", "<|im_end|>\n<|im_start|>user\nRead the solution and the check, then state the final "
+     "answer as '#### <answer>'."),
+)
+LORA_SYSTEM_PROMPT = "You are one agent of a team that solves grade-school math problems."
+
+
+def lora_conversation_roles(dataset: str = "gsm8k") -> RoleSet:
+    """Agents that differ ONLY by LoRA adapter (``solver``, ``critic``, ``final``: the adapters in
+    ``adapters/``), taking turns in one growing chat (CHATML): every prompt extends the previous
+    agent's prompt and output, so the whole trajectory is a common token prefix (PReCache's
+    setting). Each role's instruction is its closing text; it is also the glue in front of its
+    output when a later agent reads it (``title`` = instruction + assistant header)."""
+    roles = [
+        Role(name=name, title=instr + _AO, system_prompt=LORA_SYSTEM_PROMPT,
+             glue_template="{source}", closing_instruction=instr, lora_path=name)
+        for name, _, instr in _LORA_TURNS
+    ]
+    return RoleSet(dataset=dataset, task_roles=tuple(roles[:2]), final_role=roles[2])
+
+
 def with_lora_adapters(
     role_set: RoleSet,
     adapters: Mapping[str, str],
