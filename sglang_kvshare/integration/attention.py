@@ -19,7 +19,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvshare.integration.lr_cache import init_lr_cache, lr_attention
+from sglang_kvshare.integration.lr_cache import init_lr_cache, paged_indices
+from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
 
 BACKEND_NAME = "kvshare_torch"
 
@@ -69,16 +70,19 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        o = torch.empty_like(q_)
-        lr_attention(
-            q_, o,
+        kv_indices, qo_indptr, kv_indptr = paged_indices(
+            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+            forward_batch.seq_lens, [int(n) for n in q_lens],
+        )
+        o = flash_lora_attention_paged(
+            q_,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            kv_indices, qo_indptr, kv_indptr,
             self.lr.buffers[layer.layer_id], self.lr.B_v[layer.layer_id],
-            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-            forward_batch.seq_lens, [int(n) for n in q_lens], self.lr.agent, layer.scaling,
+            self.lr.agent.to(q.device), layer.scaling, True,
         )
-        return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _run_sdpa_forward_extend(
         self,

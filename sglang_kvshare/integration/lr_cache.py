@@ -3,8 +3,8 @@
 With ``--kvshare-lr-cache`` (and ``--enable-lora``) the KV pool holds base values
 ``V_base = X W0_v`` for every token, whichever adapter computed it, and an LR pool indexed by the
 same slots holds ``s_k X A_k^T`` ([r] per layer) for EVERY resident adapter k, written as ``X`` is
-produced. Agent j attends with ``P V_base + (P LR_j) B_j`` (``kvshare_torch`` backend,
-:func:`lr_attention`), so the value delta is never materialised and the base cache can serve any
+produced. Agent j attends with ``P V_base + (P LR_j) B_j`` (``kvshare_torch`` backend, with
+``kernels.flash_lora_attention_paged``: Triton on CUDA, torch SDPA elsewhere), so the value delta is never materialised and the base cache can serve any
 agent. Two hooks make it happen:
 
 - ``QKVParallelLinearWithLoRA.apply_lora`` (AROUND): the stock q/k LoRA deltas are applied, the v
@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvshare.integration.state import context
 
@@ -153,78 +152,15 @@ class LRCache:
             buf[dst, column] = buf[src, column]
 
 
-def lr_attention(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    lr_buf: torch.Tensor,
-    B_v: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    q_lens: list[int],
-    agent: torch.Tensor,
-    scaling: Optional[float],
-) -> torch.Tensor:
-    """Flash-LoRA-Attention over SGLang's paged pools, torch path: ``P V_base + (P LR_j) B_j``.
-
-    q/out [T, Hq, D]; k/v_cache [rows, Hkv, D]; lr_buf [rows, n_slots, r]; B_v [n_slots, r,
-    Hkv*D]. The request's LR column rides as r extra value channels of one SDPA call, which yields
-    ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is added per head (GQA: KV head g's
-    columns of B). Queries of request i are its last ``q_lens[i]`` tokens (extend or decode).
-    """
-    if q.is_cuda:
-        from sglang_kvshare.kernels.flash_lora_attention import HAS_TRITON, flash_lora_attention_triton
-
-        if HAS_TRITON:
-            return _lr_attention_triton(q, out, k_cache, v_cache, lr_buf, B_v, req_to_token,
-                                        req_pool_indices, seq_lens, q_lens, agent, scaling,
-                                        flash_lora_attention_triton)
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_cache.shape[1]
-    G = Hq // Hkv
-    start = 0
-    for i, q_len in enumerate(q_lens):
-        kv_len = int(seq_lens[i])
-        prefix = kv_len - q_len
-        tokens = req_to_token[req_pool_indices[i], :kv_len]
-        qi = q[start : start + q_len].transpose(0, 1)  # [Hq, q, D]
-        k = k_cache[tokens].transpose(0, 1).to(qi.dtype)  # [Hkv, kv, D]
-        v = v_cache[tokens].transpose(0, 1).to(qi.dtype)
-        j = int(agent[i])
-        if j >= 0:
-            lr = lr_buf[tokens, j].to(qi.dtype)  # [kv, r]
-            v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
-        mask = None
-        if prefix > 0:
-            q_pos = torch.arange(prefix, kv_len, device=q.device)[:, None]
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
-        o = scaled_dot_product_attention(
-            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-            is_causal=prefix == 0 and q_len > 1, scale=scaling, enable_gqa=G > 1,
-        ).squeeze(0)  # [Hq, q, D (+ r)]
-        res = o[..., :D]
-        if j >= 0:
-            r = lr_buf.shape[2]
-            Bh = B_v[j].to(qi.dtype).view(r, Hkv, D).permute(1, 0, 2).repeat_interleave(G, 0)
-            res = res + torch.bmm(o[..., D:], Bh)  # [Hq, q, r] @ [Hq, r, D]
-        out[start : start + q_len] = res.transpose(0, 1)
-        start += q_len
-    return out
-
-
-def _lr_attention_triton(q, out, k_cache, v_cache, lr_buf, B_v, req_to_token, req_pool_indices,
-                         seq_lens, q_lens, agent, scaling, kernel):
-    dev = q.device
-    lens = [int(s) for s in seq_lens.tolist()]
+def paged_indices(req_to_token, req_pool_indices, seq_lens, q_lens: list[int]):
+    """(kv_indices, qo_indptr, kv_indptr) of a batch, the layout of
+    ``kernels.flash_lora_attention``, from SGLang's request-to-token table."""
+    lens = [int(n) for n in seq_lens.tolist()]
     kv_indices = torch.cat([req_to_token[req_pool_indices[i], :n] for i, n in enumerate(lens)])
-    qo = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
-    kvp = torch.tensor([0, *lens], device=dev).cumsum(0).to(torch.int32)
-    res = kernel(q, k_cache, v_cache, kv_indices.to(torch.int32), qo, kvp, lr_buf, B_v,
-                 agent.to(dev), scaling, True, max_q_len=max(q_lens))
-    out.copy_(res)
-    return out
+    qo = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    kvp = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    dev = req_to_token.device
+    return kv_indices.to(torch.int32), qo.to(dev), kvp.to(dev)
 
 
 _LR: Optional[LRCache] = None

@@ -296,12 +296,70 @@ def flash_lora_attention_reference(
     return out
 
 
+def flash_lora_attention_sdpa(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    kv_indices: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    lr_buf: Optional[torch.Tensor] = None,
+    B_v: Optional[torch.Tensor] = None,
+    agent: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    **_unused,
+) -> torch.Tensor:
+    """Torch serving path (value LR only; same contract as the kernel): per request one
+    ``scaled_dot_product_attention`` call whose values carry the agent's LR column as r extra
+    channels, so it yields ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is then added per
+    query head (GQA: KV head g's columns of B). Runs in q.dtype."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    out = torch.empty_like(q)
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k_buf.shape[1]
+    G = Hq // Hkv
+    for b in range(qo_indptr.numel() - 1):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        k0, k1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
+        q_len, kv_len = q1 - q0, k1 - k0
+        if q_len == 0:
+            continue
+        slots = kv_indices[k0:k1].long()
+        qi = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
+        k = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
+        v = v_buf[slots].transpose(0, 1).to(q.dtype)
+        j = -1 if lr_buf is None else (0 if agent is None else int(agent[b]))
+        if j >= 0:
+            lr = lr_buf[slots, j].to(q.dtype)  # [kv, r]
+            v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
+        mask = None
+        if causal and q_len > 1:  # a single query is the last position: it sees every key
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
+        o = scaled_dot_product_attention(
+            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+            enable_gqa=G > 1,
+        ).squeeze(0)  # [Hq, q, D (+ r)]
+        res = o[..., :D]
+        if j >= 0:
+            r = lr_buf.shape[2]
+            Bh = B_v[j].to(q.dtype).view(r, Hkv, D).permute(1, 0, 2).repeat_interleave(G, 0)
+            res = res + torch.bmm(o[..., D:], Bh)  # [Hq, q, r] @ [Hq, r, D]
+        out[q0:q1] = res.transpose(0, 1)
+    return out
+
+
 def flash_lora_attention_paged(*args, **kwargs) -> torch.Tensor:
-    """Dispatcher: the Triton kernel for CUDA tensors, the torch reference elsewhere."""
+    """Dispatcher: the Triton kernel for CUDA tensors, the torch SDPA path elsewhere (value LR;
+    a key LR cache goes to the reference)."""
     q = args[0] if args else kwargs["q"]
     if HAS_TRITON and q.is_cuda:
         return flash_lora_attention_triton(*args, **kwargs)
-    return flash_lora_attention_reference(*args, **kwargs)
+    if kwargs.get("key_lr") is not None:
+        return flash_lora_attention_reference(*args, **kwargs)
+    return flash_lora_attention_sdpa(*args, **kwargs)
 
 
 def _benchmark(num_req: int = 8, prefix_len: int = 2048, q_len: int = 1, rank: int = 8) -> None:
