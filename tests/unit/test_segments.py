@@ -51,6 +51,13 @@ def test_wire_spec_round_trip_and_namespace():
     assert back.namespace != WireSpec("wf", "b", "fullshared", ()).namespace
 
 
+def test_lr_cache_methods_share_one_namespace_per_workflow():
+    ns = {WireSpec("wf", a, "prelr_shared", ()).namespace for a in ("solver", "critic")}
+    assert len(ns) == 1
+    assert ns != {WireSpec("wf2", "solver", "prelr_shared", ()).namespace}
+    assert WireSpec("wf", "solver", "nonshared", ()).namespace not in ns
+
+
 def test_source_registry_latest_by_agent_and_lru():
     reg = SourceRegistry(max_workflows=2)
     rec = lambda agent: SourceRecord(agent, "ns-" + agent, (1, 2, 3), 1, 3)  # noqa: E731

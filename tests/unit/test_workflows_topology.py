@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from sglang_kvshare.workflows.datasets import Task
-from sglang_kvshare.workflows.roles import PLAIN, get_roles, with_lora_adapters
+from sglang_kvshare.workflows.roles import PLAIN, get_roles, lora_conversation_roles, with_lora_adapters
 from sglang_kvshare.workflows.topology import (
     ServerError,
     build_schedule,
@@ -245,3 +245,17 @@ def test_http_sender_posts_and_raises_server_message(local_server):
     assert send(ok)["text"] == "ok"
     with pytest.raises(ServerError, match="HTTP 400: unknown method 'bogus'"):
         send({"sampling_params": {}, "kvshare": {"method": "bogus"}})
+
+
+def test_lora_conversation_is_one_growing_prefix():
+    """Each agent's prompt extends the previous agent's prompt and output (PReCache's setting)."""
+    roles = lora_conversation_roles()
+    assert [r.lora_path for r in roles.roles] == ["solver", "critic", "final"]
+    outputs = {"solver": "S says 4.", "critic": "C agrees."}
+    texts = []
+    for i, role in enumerate(roles.roles):
+        read = [(r.name, r.title, outputs[r.name]) for r in roles.roles[:i]]
+        texts.append("".join(s["text"] for s in build_segments(role, "What is 2+2?", read)))
+    for i in range(1, len(texts)):
+        prev = roles.roles[i - 1]
+        assert texts[i].startswith(texts[i - 1] + outputs[prev.name]), i
