@@ -188,7 +188,12 @@ def _qkv_apply_lora(original, mod, base_output, x):
 
 def _fetch_new_loras(original, manager, new_loras, running_loras=set()):
     if _LR is not None and _LR.manager is manager:
-        new_loras = set(new_loras) | set(manager.loras) | {None}
+        every = set(new_loras) | set(running_loras) | set(manager.loras) | {None}
+        if len(every) <= _LR.n_slots:
+            new_loras = every
+        else:  # an adapter loaded at run time beyond the slots: its LR column is not kept
+            logger.warning("kvshare LR cache: %d adapters do not fit %d slots; LR columns of "
+                           "non-resident adapters are not written", len(every) - 1, _LR.n_slots)
     return original(manager, new_loras, running_loras)
 
 
