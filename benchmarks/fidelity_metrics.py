@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from sglang_kvshare.segments.sources import common_prefix
+
 REUSED_MODES = ("injected", "corrected")
 
 
@@ -83,15 +85,6 @@ def kl_topk_union(p: Dict[int, float], q: Dict[int, float]) -> Optional[float]:
         return None
     low = min(q.values())
     return kl_lumped(p, {t: q.get(t, low) for t in p})
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def leading_agreement(approx: Sequence[int], dense: Sequence[int]) -> float:

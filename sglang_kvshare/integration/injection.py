@@ -18,7 +18,7 @@ from sglang_kvshare.integration.lr_cache import lr_cache
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.rope import RopeSpec, inv_freq_for, shift_keys
 from sglang_kvshare.segments import Span
-from sglang_kvshare.segments.sources import SourceRecord
+from sglang_kvshare.segments.sources import SourceRecord, common_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,6 @@ class InjectResult:
     dst: torch.Tensor  # [num_tokens] KV slots now holding the segment
 
 
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 def injectable_len(req, span: Span, rec: SourceRecord) -> int:
     """Leading tokens of ``span`` that ``rec`` can stand for: equal tokens, and at least one
     prompt token left to compute after them (its logits are needed)."""
@@ -81,7 +73,7 @@ def injectable_len(req, span: Span, rec: SourceRecord) -> int:
     limit = min(len(span), len(fill) - 1 - span.start)
     if limit <= 0:
         return 0
-    return _common_prefix(rec.token_ids[rec.start : rec.end], fill[span.start : span.start + limit])
+    return common_prefix(rec.token_ids[rec.start : rec.end], fill[span.start : span.start + limit])
 
 
 def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec) -> Optional[InjectResult]:

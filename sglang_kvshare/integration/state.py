@@ -12,7 +12,7 @@ from typing import Any, Optional
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.methods import MethodSpec, get_method
 from sglang_kvshare.segments import Span, WireSpec
-from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry
+from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry, common_prefix
 
 CUSTOM_PARAM_KEY = "kvshare"
 META_KEY = "kvshare"
@@ -124,13 +124,7 @@ class PluginContext:
 
     def processed_prefix(self, workflow: str, agent: str, tokens) -> int:
         """Length of the common prefix of ``tokens`` and what ``agent`` processed before."""
-        seen = self.processed.get((workflow, agent), ())
-        n = 0
-        for a, b in zip(seen, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.processed.get((workflow, agent), ()), tokens)
 
     def corrector(self, name: str, tau: Optional[float] = None):
         """The process-wide corrector of method ``name`` (one per gate threshold ``tau``)."""

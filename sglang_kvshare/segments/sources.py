@@ -16,6 +16,16 @@ from typing import Optional
 REFERENCE_AGENT = "__reference__"
 
 
+def common_prefix(a, b) -> int:
+    """Length of the common leading run of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     agent: str
