@@ -37,9 +37,11 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         self.model_runner = model_runner
         self.lr = None
+        self._paged = (None, None)  # (forward batch, its paged indices), shared by all layers
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
+        self._paged = (None, None)
         self.lr = init_lr_cache(self.model_runner)
         if self.lr is not None:
             self.lr.begin_forward(forward_batch)
@@ -70,10 +72,12 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        kv_indices, qo_indptr, kv_indptr = paged_indices(
-            self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-            forward_batch.seq_lens, [int(n) for n in q_lens],
-        )
+        if self._paged[0] is not forward_batch:
+            self._paged = (forward_batch, paged_indices(
+                self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
+                forward_batch.seq_lens, [int(n) for n in q_lens],
+            ))
+        kv_indices, qo_indptr, kv_indptr = self._paged[1]
         o = flash_lora_attention_paged(
             q_,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
