@@ -19,6 +19,7 @@ cannot hold per agent (the paper's key LR cache is not wired into the engine).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Optional
@@ -98,8 +99,9 @@ class LRCache:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
+    @functools.cached_property
     def bytes_per_token(self) -> dict[str, int]:
-        """Per cached token: base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
+        """Per cached token (fixed once the pools exist): base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
         kv = sum(
             self.kv_pool.get_key_buffer(i)[0].numel() * self.kv_pool.get_key_buffer(i).element_size()
             + self.kv_pool.get_value_buffer(i)[0].numel() * self.kv_pool.get_value_buffer(i).element_size()

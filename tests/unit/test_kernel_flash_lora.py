@@ -39,6 +39,14 @@ def test_kernels_in_fresh_process():
 
 
 HQ, HKV, D, R, N_AGENTS, SLOTS = 9, 3, 64, 8, 3, 48
+PAGED_CASES = pytest.mark.parametrize(
+    "q_lens,kv_lens,agents",
+    [
+        ([5, 1, 3], [12, 9, 3], [2, 0, 1]),  # extend with prefix, decode, prefill
+        ([1, 1], [17, 5], [1, -1]),  # decode batch, one base-model request
+    ],
+    ids=["extend-decode-prefill", "decode-base"],
+)
 ATOL = 2e-5
 
 
@@ -62,14 +70,7 @@ def _batch(q_lens, kv_lens, seed=0, key_lr=False):
 
 
 @kernel_test
-@pytest.mark.parametrize(
-    "q_lens,kv_lens,agents",
-    [
-        ([5, 1, 3], [12, 9, 3], [2, 0, 1]),  # extend with prefix, decode, prefill
-        ([1, 1], [17, 5], [1, -1]),  # decode batch, one base-model request
-    ],
-    ids=["extend-decode-prefill", "decode-base"],
-)
+@PAGED_CASES
 def test_triton_matches_reference(q_lens, kv_lens, agents):
     args, kw = _batch(q_lens, kv_lens)
     agent = torch.tensor(agents, dtype=torch.int32)
@@ -145,14 +146,7 @@ def test_launcher_asserts_shapes():
         fla.flash_lora_attention_triton(*args, lr_buf=kw["lr_buf"], B_v=kw["B_v"][:, :4])
 
 
-@pytest.mark.parametrize(
-    "q_lens,kv_lens,agents",
-    [
-        ([5, 1, 3], [12, 9, 3], [2, 0, 1]),  # extend with prefix, decode, prefill
-        ([1, 1], [17, 5], [1, -1]),  # decode batch, one base-model request
-    ],
-    ids=["extend-decode-prefill", "decode-base"],
-)
+@PAGED_CASES
 def test_sdpa_serving_path_matches_reference(q_lens, kv_lens, agents):
     """The torch path the kvshare_torch backend runs on the CPU (LR as extra value channels of
     one SDPA call) equals the reference, and equals ordinary LoRA attention per request."""
