@@ -100,7 +100,8 @@ MAIN_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas_nonchained", "kvcom
 # --agents lora: agents that differ by LoRA adapter (PReCache); fullshared runs on a server
 # without the LR cache (it reuses the previous agent's full cache, value delta included)
 LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_lp")
-KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:]
+# rebase_shared_db builds the same cache as rebase_shared_lp (tests/integration/test_precache_engine.py)
+KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:] + ("rebase_shared_db",)
 REPO = Path(__file__).resolve().parent.parent
 ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
 TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate

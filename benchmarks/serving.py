@@ -72,9 +72,23 @@ from typing import Any, Dict, List, Optional, Sequence
 import requests
 from tqdm import tqdm
 
-from sglang_kvshare.workflows import Role, build_payload, build_schedule, build_segments, out_slot
+from sglang_kvshare.workflows import (
+    Role,
+    build_payload,
+    build_schedule,
+    build_segments,
+    lora_conversation_roles,
+    out_slot,
+)
 
 DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
+# --agent-kind lora: the PReCache methods on an LR-cache server (rebase_shared_lp holds its answer
+# for the post-turn rebuild and is not streamed; DB is ReBaseShared's serving schedule)
+LORA_METHODS = ("nonshared", "baseshared", "prelr_shared", "rebase_shared_db")
+ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
+LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
+                    "--kvshare-lr-cache", "--lora-paths",
+                    *(f"{n}={ADAPTERS / f'smollm2-{n}-qv-r8'}" for n in ("solver", "critic", "final")))
 BASELINE = "nonshared"
 FINAL = "final"
 SPECIALTIES = (
@@ -98,8 +112,14 @@ RATIO_KEYS = (
 # ----------------------------------------------------------------------------- workload
 
 
-def make_roles(n_agents: int) -> tuple[List[Role], Role]:
-    """``n_agents - 1`` task agents ``agent0..`` (distinct system prompts) and the final agent."""
+def make_roles(n_agents: int, kind: str = "prompt") -> tuple[List[Role], Role]:
+    """``n_agents - 1`` task agents ``agent0..`` (distinct system prompts) and the final agent;
+    ``kind="lora"``: the three adapter agents of ``lora_conversation_roles`` (one growing chat)."""
+    if kind == "lora":
+        roles = lora_conversation_roles()
+        if n_agents != len(roles.roles):
+            raise ValueError(f"--agent-kind lora has {len(roles.roles)} agents (the shipped adapters)")
+        return list(roles.task_roles), roles.final_role
     if n_agents < 2:
         raise ValueError("a workflow needs at least 2 agents (one task agent and the final agent)")
     task = [
@@ -132,6 +152,7 @@ class PointSpec:
     workflows: int
     output_len: int
     seed: int
+    kind: str = "prompt"
 
 
 def arrival_offsets(rate: float, n: int, seed: int) -> Optional[List[float]]:
@@ -303,7 +324,7 @@ class MemorySampler:
 
 def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: float, on_request) -> List[Dict[str, Any]]:
     """All turns of one workflow in order; returns one record per request (stops at an error)."""
-    task_roles, final = make_roles(spec.agents)
+    task_roles, final = make_roles(spec.agents, spec.kind)
     roles = {r.name: r for r in task_roles + [final]}
     schedule = build_schedule("loop", [r.name for r in task_roles], final.name, spec.rounds)
     outputs: List[str] = []
@@ -467,7 +488,8 @@ class Runner:
     def point(self, context: int, rate: float, agents: int, rounds: int, workflows: int, seed: int) -> Dict[str, Any]:
         by_method = {}
         for method in self.args.methods:
-            spec = PointSpec(context, rate, method, agents, rounds, workflows, self.args.output_len, seed)
+            spec = PointSpec(context, rate, method, agents, rounds, workflows, self.args.output_len, seed,
+                             self.args.agent_kind)
             self.bar.set_description(f"ctx {context} rate {rate} a{agents} r{rounds} {method}")
             by_method[method] = run_point(self.url, spec, self.contexts(context, workflows), self.pid,
                                           self.args.request_timeout, self.bar)
@@ -690,7 +712,12 @@ def parse_args(argv=None):
     ap.add_argument("--model-path", default=None, help="when starting a server (default: launch_server's SmolLM2)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
     ap.add_argument("--server-pid", type=int, default=None, help="server PID for RSS (default: found from --url's port)")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--agent-kind", choices=("prompt", "lora"), default="prompt",
+                    help="prompt: agents differ by system prompt; lora: by LoRA adapter (the shipped "
+                         "solver/critic/final adapters, 3 agents; a server started here gets --enable-lora "
+                         "--kvshare-lr-cache and the adapters)")
+    ap.add_argument("--methods", default=None,
+                    help=f"default {','.join(DEFAULT_METHODS)}; with --agent-kind lora {','.join(LORA_METHODS)}")
     ap.add_argument("--contexts", type=_ints, default=[512, 1024, 2048], help="shared context lengths, tokens")
     ap.add_argument("--rates", type=_floats, default=[0.0, 0.05, 0.1, 0.2], help="workflow arrival rates, wf/s (0 = single stream)")
     ap.add_argument("--workflows", type=int, default=8, help="workflows per (context, rate, method)")
@@ -714,7 +741,14 @@ def parse_args(argv=None):
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    lora = args.agent_kind == "lora"
+    if args.methods is None:
+        args.methods = ",".join(LORA_METHODS if lora else DEFAULT_METHODS)
     args.methods = [m for m in args.methods.split(",") if m]
+    if lora:  # three adapter agents; the agent-count sweep does not apply
+        args.base_agents, args.agents = 3, []
+        if args.url is None:
+            args.server_arg = list(LORA_SERVER_ARGS) + args.server_arg
     args.rates = sorted(args.rates)
     for name in ("workflows", "output_len", "base_agents", "base_rounds", "scaling_workflows"):
         if getattr(args, name) < 1:
@@ -758,7 +792,8 @@ def main(argv=None) -> Dict[str, Any]:
             if not args.no_warmup:  # one short single-stream workflow per method, not recorded
                 bar.set_description("warm-up")
                 for m in args.methods:
-                    spec = PointSpec(32, 0.0, m, 2, 1, 1, 2, 0)
+                    spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind == "lora" else 2, 1, 1, 2, 0,
+                                     args.agent_kind)
                     run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
             points, skipped = qps_sweep(runner, args)
             scaling = scaling_sweeps(runner, args)

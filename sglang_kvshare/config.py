@@ -39,7 +39,7 @@ class KVShareArgs:
     lr_cache: bool = _flag(
         False,
         "PReCache: keep base values plus per-adapter LR caches (needs --enable-lora and the "
-        "kvshare_torch attention backend); required by baseshared, prelr_shared, rebase_shared_lp",
+        "kvshare_torch attention backend); required by baseshared, prelr_shared, rebase_shared_lp, rebase_shared_db",
     )
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"

@@ -172,7 +172,7 @@ class KVShareMiddleware:
         if self.args.lr_cache and payload.get("lora_path") is not None and get_method(ann.method).corrector:
             raise AnnotationError(
                 f"method {ann.method} corrects K/V; on a --kvshare-lr-cache server LoRA agents use "
-                "nonshared, fullshared, baseshared, prelr_shared or rebase_shared_lp"
+                "nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
             )
         if lr_sharing == "rebase_lp" and payload.get("stream"):
             raise AnnotationError("method rebase_shared_lp rebuilds the cache after the turn; stream is not supported")
@@ -271,7 +271,7 @@ class KVShareMiddleware:
 
     def _rebuilding_send(self, send, ann: KVShareAnnotation, payload: dict):
         """ReBaseShared, lazy prefill: hold the agent's response, prefill its new tokens (prompt
-        and output) once more without an adapter into the workflow's shared namespace, then
+        and the output tokens it fed) once more without an adapter into the workflow's shared namespace, then
         answer with ``rebuild_tokens`` (computed by that prefill) in ``meta_info.kvshare``."""
         held: dict = {"start": None, "chunks": []}
         tok = self.get_tm().tokenizer
@@ -304,11 +304,9 @@ class KVShareMiddleware:
         """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
-        ids = list(out.get("output_ids") or [])
-        special = set(getattr(self.get_tm().tokenizer, "all_special_ids", []) or [])
-        while ids and ids[-1] in special:
-            ids.pop()
-        tokens = list(payload["input_ids"]) + ids
+        # the tokens the adapted path fed: its prompt and every output token but the last (never
+        # an input), the span the double-batched twin of rebase_shared_db rebuilds too
+        tokens = list(payload["input_ids"]) + list(out.get("output_ids") or [])[:-1]
         wire = WireSpec(workflow=ann.workflow, agent=ann.agent, method=ann.method,
                         spans=(Span(0, len(tokens)),))
         obj = GenerateReqInput(

@@ -2,7 +2,7 @@
 
 SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It registers the
 ``kvshare`` radix-cache backend, the ``kvshare_torch`` attention backend and the HookRegistry
-hooks (scheduler side: segment-wise prefill and the LR cache's LoRA hooks; tokenizer side: the
+hooks (scheduler side: segment-wise prefill and the LR cache's LoRA hooks and ReBaseShared's double batching; tokenizer side: the
 ``meta_info.kvshare`` record).
 """
 
@@ -23,6 +23,7 @@ def load() -> None:
 
     check_sglang_version()
     from sglang_kvshare.integration.attention import register_attention
+    from sglang_kvshare.integration.double_batch import register_double_batch_hooks
     from sglang_kvshare.integration.lr_cache import register_lr_hooks
     from sglang_kvshare.integration.meta import register_tokenizer_hooks
     from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
@@ -38,6 +39,7 @@ def load() -> None:
     register_attention()
     register_scheduler_hooks()
     register_lr_hooks()
+    register_double_batch_hooks()
     register_tokenizer_hooks()
     _loaded = True
     logger.info("sglang_kvshare plugin loaded")

@@ -174,7 +174,7 @@ class PluginContext:
         if st.method.lr_sharing and req.lora_id and req.extra_key.endswith(req.lora_id):
             # one tree for all adapters: SGLang appended the adapter id to the namespace
             req.extra_key = req.extra_key[: -len(req.lora_id)]
-        if st.method.lr_sharing == "rebase_lp" and req.lora_id:
+        if st.method.lr_sharing in ("rebase_lp", "rebase_db") and req.lora_id:
             # its KV comes from adapted hidden states: the adapter-free rebuild caches the turn
             req.skip_radix_cache_insert = True
         req.customized_info = {META_KEY: [st.refresh_meta()]}

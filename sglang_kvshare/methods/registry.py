@@ -19,7 +19,9 @@ class MethodSpec:
         still computes shared context it has not processed itself (its own X.A); ``prelr``: every
         computed token's LR is written for all adapters, so only new tokens are computed;
         ``rebase_lp``: as prelr, but the cache of an adapted turn is rebuilt from adapter-free
-        hidden states by one base-model prefill of its new tokens after the turn (lazy prefill).
+        hidden states by one base-model prefill of its new tokens after the turn (lazy prefill);
+        ``rebase_db``: the same cache, built by an adapter-free twin request that runs in the same
+        continuous batches as the adapted turn, forced to its tokens (double batching).
     """
 
     name: str
@@ -93,6 +95,12 @@ METHODS: dict[str, MethodSpec] = {
             False,
             "PReCache ReBaseShared, lazy prefill: adapter-free rebuild of each turn's new tokens",
             lr_sharing="rebase_lp",
+        ),
+        MethodSpec(
+            "rebase_shared_db",
+            False,
+            "PReCache ReBaseShared, double batching: an adapter-free twin rides in the same batches",
+            lr_sharing="rebase_db",
         ),
     )
 }

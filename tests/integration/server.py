@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -62,6 +63,17 @@ class Server:
 
     def generate(self, payload: dict, timeout: float = 300) -> requests.Response:
         return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def stream(self, payload: dict, timeout: float = 300) -> list[dict]:
+        """POST a streamed /generate; returns its server-sent events (parsed)."""
+        events = []
+        with requests.post(self.url + "/generate", json={**payload, "stream": True}, stream=True,
+                           timeout=timeout) as r:
+            assert r.status_code == 200, r.text
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    events.append(json.loads(line[len(b"data: "):]))
+        return events
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -219,20 +219,8 @@ def test_help_lists_sglang_and_kvshare_flags():
 
 
 def test_streamed_agents_get_the_record_and_their_output_is_a_source(tiny_server):
-    import json
-
-    import requests
-
     def stream(agent, outputs):
-        body = payload("stream-1", agent, "fullshared", segments(agent, outputs), 6)
-        body["stream"] = True
-        events = []
-        with requests.post(tiny_server.url + "/generate", json=body, stream=True, timeout=300) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    events.append(json.loads(line[len(b"data: "):]))
-        return events
+        return tiny_server.stream(payload("stream-1", agent, "fullshared", segments(agent, outputs), 6))
 
     first = stream("solver", {})
     assert isinstance(first[-1]["meta_info"]["kvshare"], dict)

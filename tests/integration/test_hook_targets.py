@@ -4,9 +4,14 @@ import importlib
 
 import pytest
 
-from sglang_kvshare.integration import meta, scheduler_hooks
+from sglang_kvshare.integration import double_batch, lr_cache, meta, scheduler_hooks
 
-TARGETS = sorted(set(scheduler_hooks.TARGETS.values()) | {meta.TARGET})
+TARGETS = sorted(
+    set(scheduler_hooks.TARGETS.values())
+    | set(lr_cache.TARGETS.values())
+    | set(double_batch.TARGETS.values())
+    | {meta.TARGET}
+)
 
 NAMES = [
     "sglang.srt.mem_cache.registry.register_radix_cache_backend",

@@ -39,11 +39,12 @@ def turn_segments(t: int) -> list[dict]:
     return segs
 
 
-def ask(server, wf, method, t, agent=None, lora=True, max_new_tokens=6):
+def ask(server, wf, method, t, agent=None, lora=True, max_new_tokens=6, **extra):
     agent = agent or AGENTS[t % 3]
     body = {
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
         "kvshare": {"workflow": wf, "agent": agent, "method": method, "segments": turn_segments(t)},
+        **extra,
     }
     if lora:
         body["lora_path"] = agent
@@ -92,7 +93,8 @@ def _round_robin(server, method, turns=6):
 
 def test_computed_tokens_in_a_round_robin(lr_servers):
     ours, _ = lr_servers
-    runs = {m: _round_robin(ours, m) for m in ("nonshared", "baseshared", "prelr_shared", "rebase_shared_lp")}
+    runs = {m: _round_robin(ours, m)
+            for m in ("nonshared", "baseshared", "prelr_shared", "rebase_shared_lp", "rebase_shared_db")}
     prompt = [m["prompt_tokens"] for m in runs["nonshared"]]
     for method, metas in runs.items():
         assert [m["prompt_tokens"] for m in metas] == prompt, method
@@ -102,15 +104,17 @@ def test_computed_tokens_in_a_round_robin(lr_servers):
         # PreLRShared / ReBaseShared: only the turn's new tokens
         assert runs["prelr_shared"][t]["computed_tokens"] <= new, t
         assert runs["rebase_shared_lp"][t]["computed_tokens"] <= new, t
+        assert runs["rebase_shared_db"][t]["computed_tokens"] <= new, t
         # LRAgent and no sharing: the shared context the agent has not processed itself
         assert runs["baseshared"][t]["computed_tokens"] == runs["nonshared"][t]["computed_tokens"], t
         unseen = prompt[t] - (prompt[t - 3] if t >= 3 else 0)
         assert runs["nonshared"][t]["computed_tokens"] >= unseen - 6, t
         assert runs["nonshared"][t]["computed_tokens"] > 2 * new, t
-    # ReBaseShared LP: each adapted turn's new tokens (prompt and output) are prefilled once more
-    # without an adapter
+    # ReBaseShared: each adapted turn's new tokens (prompt and fed output) are computed once more
+    # without an adapter, after the turn (LP) or beside it in the same batches (DB)
     rebuilt = [(m["rebuild_tokens"], m["computed_tokens"]) for m in runs["rebase_shared_lp"]]
     assert all(r >= c for r, c in rebuilt) and any(r > c for r, c in rebuilt), rebuilt
+    assert [m["rebuild_tokens"] for m in runs["rebase_shared_db"]] == [r for r, _ in rebuilt]
 
 
 def test_baseshared_equals_nonshared_when_the_agent_produced_the_context(lr_servers, tiny_model):
@@ -133,6 +137,47 @@ def test_rebase_lp_leaves_the_adapter_free_cache(lr_servers):
     neutral = [ask(ours, "rb-neutral", "prelr_shared", t, lora=t == 2) for t in range(3)]
     assert rebased[2]["output_ids"] == neutral[2]["output_ids"]
     assert rebased[2]["meta_info"]["kvshare"]["computed_tokens"] == neutral[2]["meta_info"]["kvshare"]["computed_tokens"]
+
+
+def test_rebase_db_and_lp_leave_identical_caches(lr_servers):
+    """DB's adapter-free twin rebuilds the same cache as LP's post-turn prefill: the next agent
+    computes the same tokens and gets the same first-token distribution and greedy output."""
+    ours, _ = lr_servers
+    logprobs = {"return_logprob": True, "top_logprobs_num": 5}
+    runs = {m: [ask(ours, f"same-{m}", m, t, **logprobs) for t in range(4)]
+            for m in ("rebase_shared_lp", "rebase_shared_db")}
+    lp, db = runs["rebase_shared_lp"], runs["rebase_shared_db"]
+    for t in range(4):
+        assert db[t]["output_ids"] == lp[t]["output_ids"], t
+        m_lp, m_db = lp[t]["meta_info"], db[t]["meta_info"]
+        for key in ("computed_tokens", "rebuild_tokens", "cached_tokens"):
+            assert m_db["kvshare"][key] == m_lp["kvshare"][key], (t, key)
+        top_lp = {tok: p for p, tok, _ in m_lp["output_top_logprobs"][0]}
+        top_db = {tok: p for p, tok, _ in m_db["output_top_logprobs"][0]}
+        assert top_db.keys() == top_lp.keys(), t
+        assert all(abs(top_db[k] - top_lp[k]) < 1e-4 for k in top_lp), t
+    assert db[3]["meta_info"]["kvshare"]["computed_tokens"] < db[3]["meta_info"]["kvshare"]["prompt_tokens"] / 4
+
+
+def test_rebase_db_in_a_concurrent_batch_and_streamed(lr_servers, tiny_model):
+    """Three DB agents at once (adapted paths and twins share the batches): each adapted output is
+    stock LoRA's; a streamed DB turn answers once, with its rebuild counted."""
+    from transformers import AutoTokenizer
+
+    ours, stock = lr_servers
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda a: ask(ours, f"conc-{a}", "rebase_shared_db", 2, agent=a, max_new_tokens=8), AGENTS))
+    for agent, out in zip(AGENTS, outs):
+        assert out["output_ids"] == stock_generate(stock, stock_ids(tok, 2), agent, 8), agent
+        meta = out["meta_info"]["kvshare"]
+        assert meta["rebuild_tokens"] == meta["computed_tokens"] + len(out["output_ids"]) - 1, agent
+    body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}, "stream": True, "lora_path": "actor",
+            "kvshare": {"workflow": "conc-planner", "agent": "actor", "method": "rebase_shared_db",
+                        "segments": turn_segments(3)}}
+    events = ours.stream(body)
+    assert events and events[-1]["meta_info"]["kvshare"]["rebuild_tokens"] > 0
+    assert events[-1]["meta_info"]["kvshare"]["computed_tokens"] < events[-1]["meta_info"]["prompt_tokens"]
 
 
 def test_lr_methods_need_the_lr_cache(tiny_server):

@@ -1,0 +1,171 @@
+"""ReBaseShared DB: the adapter-free path rides in the same continuous batch as the adapted one.
+
+For every adapted request under ``rebase_shared_db`` the scheduler admits a *twin*: the same
+prompt, sampling parameters and radix namespace, without the adapter. Both sit in the waiting
+queue one after the other, so they are normally prefilled in one batch and decoded in the same
+decode batches. The twin is forced to the adapted path's tokens (its sampled token is replaced
+right after sampling, before the token is relayed as the next input), so it processes the same
+tokens at the same positions while attending only to the neutral base cache. The adapted request
+is not inserted into the tree (``skip_radix_cache_insert``); the twin is, with its adapter-free
+K/V and the LR caches the LR hook wrote for every adapter from its hidden states. When both are
+done, the tree holds the same span (prompt and every fed output token) as the lazy-prefill
+schedule (``rebase_shared_lp``) builds after the turn.
+
+The twin is never streamed. The adapted request's final output is held until its twin has
+finished too (as the paper counts a DB call: complete when both paths finish), so the next
+agent's request always finds the rebuilt cache; ``rebuild_tokens`` in its ``meta_info.kvshare``
+counts the twin's computed tokens.
+
+Hooked targets (AROUND):
+
+- ``Scheduler.handle_generate_request``: after the adapted request is queued, queue its twin.
+- ``TpModelWorker.forward_batch_generation``: after sampling, force each twin's token to the
+  adapted path's token at the same output position. A twin whose adapted request cannot supply
+  that token (aborted, or retracted and behind) finishes there; the tree keeps what it rebuilt.
+- ``SchedulerOutputStreamer.stream_output``: drop twins; hold a finished adapted request until
+  its twin finishes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from array import array
+
+import msgspec
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, context
+from sglang_kvshare.methods import get_method
+from sglang_kvshare.segments import WireSpec
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {
+    "generate": "sglang.srt.managers.scheduler.Scheduler.handle_generate_request",
+    "forward": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+    "stream": "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output",
+}
+
+TWIN_SUFFIX = "::kvshare-db"
+_TWIN_OF = "_kvshare_twin_of"  # on a twin: its adapted request
+_TWIN = "_kvshare_twin"  # on an adapted request: its twin
+_HELD = "_kvshare_held"  # on an adapted request: finished, output held for its twin
+
+
+def is_db_request(recv_req) -> bool:
+    """An adapted request under ``rebase_shared_db``."""
+    if recv_req.lora_id is None:
+        return False
+    params = getattr(recv_req.sampling_params, "custom_params", None)
+    if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
+        return False
+    return get_method(WireSpec.loads(params[CUSTOM_PARAM_KEY]).method).lr_sharing == "rebase_db"
+
+
+def _queued(scheduler, rid: str):
+    return next((r for r in reversed(scheduler.waiting_queue) if r.rid == rid), None)
+
+
+def _handle_generate_request(original, scheduler, recv_req, *args, **kwargs):
+    result = original(scheduler, recv_req, *args, **kwargs)
+    if not is_db_request(recv_req):
+        return result
+    primary = _queued(scheduler, recv_req.rid)
+    if primary is None:  # refused (the error went back to the client)
+        return result
+    twin_req = msgspec.structs.replace(
+        recv_req,
+        rid=recv_req.rid + TWIN_SUFFIX,
+        lora_id=None,
+        stream=False,
+        input_ids=array("q", recv_req.input_ids),
+        sampling_params=copy.copy(recv_req.sampling_params),
+    )
+    original(scheduler, twin_req, *args, **kwargs)
+    twin = _queued(scheduler, twin_req.rid)
+    if twin is None:
+        logger.warning("rebase_shared_db: the adapter-free twin of %s was not queued", recv_req.rid)
+        return result
+    setattr(twin, _TWIN_OF, primary)
+    setattr(primary, _TWIN, twin)
+    return result
+
+
+def _emits_token(req) -> bool:
+    """Whether ``req`` commits a sampled token from the current forward."""
+    return not req.finished() and not req.is_retracted and req.inflight_middle_chunks <= 0
+
+
+def force_twin_tokens(reqs, next_token_ids, decoding: bool) -> None:
+    """Replace each twin's sampled token (in ``next_token_ids``, one per request, in place) by its
+    adapted request's token at the same output position; finish twins that cannot get one."""
+    rows = {id(r): i for i, r in enumerate(reqs)}
+    ctx = context()
+    for i, twin in enumerate(reqs):
+        primary = getattr(twin, _TWIN_OF, None)
+        if primary is None or not _emits_token(twin):
+            continue
+        st = ctx.requests.get(twin.rid)
+        if decoding and st is not None:
+            st.computed_tokens += 1  # the token fed in this decode step
+        pos = len(twin.output_ids)
+        j = rows.get(id(primary))
+        if pos < len(primary.output_ids):
+            next_token_ids[i] = primary.output_ids[pos]
+        elif j is not None and pos == len(primary.output_ids) and _emits_token(primary):
+            next_token_ids[i] = next_token_ids[j]
+        else:
+            twin.to_finish = FINISH_LENGTH(length=pos + 1)
+        pst = ctx.requests.get(primary.rid)
+        if pst is not None and st is not None:
+            pst.meta["rebuild_tokens"] = st.computed_tokens
+
+
+def _forward_batch_generation(original, worker, batch=None, *args, **kwargs):
+    result = original(worker, batch, *args, **kwargs)
+    reqs = getattr(batch, "reqs", None)
+    if not reqs or not any(hasattr(r, _TWIN_OF) for r in reqs):
+        return result
+    decoding = batch.forward_mode.is_decode()
+    if getattr(result, "delay_sample_func", None) is not None:
+        sample = result.delay_sample_func
+
+        def sample_and_force():
+            out = sample()
+            force_twin_tokens(reqs, out.next_token_ids, decoding)
+            return out
+
+        result.delay_sample_func = sample_and_force
+    elif getattr(result, "next_token_ids", None) is not None:
+        force_twin_tokens(reqs, result.next_token_ids, decoding)
+    return result
+
+
+def _stream_output(original, streamer, reqs, *args, **kwargs):
+    if not any(hasattr(r, _TWIN_OF) or hasattr(r, _TWIN) for r in reqs):
+        return original(streamer, reqs, *args, **kwargs)
+    out = []
+    for r in reqs:
+        primary = getattr(r, _TWIN_OF, None)
+        if primary is not None:
+            if r.finished() and getattr(primary, _HELD, False):
+                setattr(primary, _HELD, False)
+                out.append(primary)  # the DB call is complete: both paths finished
+            continue
+        twin = getattr(r, _TWIN, None)
+        if twin is not None and r.finished() and not twin.finished():
+            setattr(r, _HELD, True)
+            continue
+        out.append(r)
+    return original(streamer, out, *args, **kwargs)
+
+
+def register_double_batch_hooks() -> None:
+    for name, fn in (
+        ("generate", _handle_generate_request),
+        ("forward", _forward_batch_generation),
+        ("stream", _stream_output),
+    ):
+        HookRegistry.register(TARGETS[name], fn, HookType.AROUND)
