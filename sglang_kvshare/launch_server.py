@@ -24,6 +24,8 @@ CPU_DEFAULTS = (
     ("--max-total-tokens", "16384"),
     ("--disable-cuda-graph", None),
     ("--skip-server-warmup", None),
+    # an idle scheduler otherwise busy-polls a whole core; it wakes on the next request
+    ("--sleep-on-idle", None),
 )
 DEFAULTS = (
     ("--radix-cache-backend", "kvshare"),

@@ -18,7 +18,7 @@ import requests
 STOCK_CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
     "--skip-server-warmup", "--dtype", "float32", "--max-total-tokens", "16384",
-    "--disable-overlap-schedule",
+    "--disable-overlap-schedule", "--sleep-on-idle",
 ]
 
 
