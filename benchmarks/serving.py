@@ -48,6 +48,7 @@ one-element list in streamed chunks (unwrapped here).
     python -m benchmarks.serving                       # starts a SmolLM2 server; full CPU sweep
     python -m benchmarks.serving --url http://127.0.0.1:30000 --rates 0,0.05,0.1,0.2
     python -m benchmarks.serving --quick               # a few minutes on a 2-core CPU
+    python -m benchmarks.serving --agent-kind lora     # LoRA agents: the PReCache methods
     python -m benchmarks.serving --replot --out results/serving.json
 """
 
