@@ -36,7 +36,7 @@ import msgspec
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, context
+from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY, context
 from sglang_kvshare.methods import get_method
 from sglang_kvshare.segments import WireSpec
 
@@ -118,9 +118,10 @@ def force_twin_tokens(reqs, next_token_ids, decoding: bool) -> None:
             next_token_ids[i] = next_token_ids[j]
         else:
             twin.to_finish = FINISH_LENGTH(length=pos + 1)
-        pst = ctx.requests.get(primary.rid)
-        if pst is not None and st is not None:
-            pst.meta["rebuild_tokens"] = st.computed_tokens
+        # the adapted request's record (still emitted after its state is released, when held)
+        record = (getattr(primary, "customized_info", None) or {}).get(META_KEY)
+        if record and st is not None:
+            record[-1]["rebuild_tokens"] = st.computed_tokens
 
 
 def _forward_batch_generation(original, worker, batch=None, *args, **kwargs):
