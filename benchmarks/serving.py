@@ -73,6 +73,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import requests
 from tqdm import tqdm
 
+from benchmarks.fidelity import ADAPTERS
 from sglang_kvshare.workflows import (
     Role,
     build_payload,
@@ -86,10 +87,8 @@ DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
 # --agent-kind lora: the PReCache methods on an LR-cache server (rebase_shared_lp holds its answer
 # for the post-turn rebuild and is not streamed; DB is ReBaseShared's serving schedule)
 LORA_METHODS = ("nonshared", "baseshared", "prelr_shared", "rebase_shared_db")
-ADAPTERS = Path(__file__).resolve().parent.parent / "adapters"
 LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
-                    "--kvshare-lr-cache", "--lora-paths",
-                    *(f"{n}={ADAPTERS / f'smollm2-{n}-qv-r8'}" for n in ("solver", "critic", "final")))
+                    "--kvshare-lr-cache", "--lora-paths", *(f"{n}={p}" for n, p in ADAPTERS.items()))
 BASELINE = "nonshared"
 FINAL = "final"
 SPECIALTIES = (
