@@ -28,7 +28,15 @@ class KVShareArgs:
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
-        -1.0, "recompute budget of the selective recomputation methods (-1: the papers' default)"
+        -1.0,
+        "recompute budget (fraction of a shared segment's token-layers, rho = 1 - ratio) of "
+        "cacheblend, droidspeak and relaycaching; -1: the papers' defaults, 0.1 for agents that "
+        "differ by system prompt and 0.3 for LoRA agents",
+    )
+    droidspeak_profile: str = _flag(
+        "",
+        "DroidSpeak's offline layer-deviation profile (JSON written by benchmarks.coverage); "
+        "empty: every layer weighs the same",
     )
     anchor_budget_mb: float = _flag(256.0, "byte budget of all anchor pools together, in MiB")
     dump_dir: str = _flag(

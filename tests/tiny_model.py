@@ -13,7 +13,9 @@ from typing import Optional
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def build_tiny_llama(out_dir: Path, tokenizer_dir: str, rope_scaling: Optional[dict] = None, seed: int = 0) -> str:
+def build_tiny_llama(
+    out_dir: Path, tokenizer_dir: str, rope_scaling: Optional[dict] = None, seed: int = 0, num_layers: int = 2
+) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -23,7 +25,7 @@ def build_tiny_llama(out_dir: Path, tokenizer_dir: str, rope_scaling: Optional[d
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,

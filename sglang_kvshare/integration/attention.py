@@ -5,6 +5,9 @@ a few tokens after a long (cached or injected) prefix costs as much as attending
 sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
 causal mask shifted by the prefix length. Decode and every other case stay stock.
 
+During selective recomputation (``recompute_path``) a decoder layer may run a subset of the
+extend's rows; their queries then attend by position (``_forward_rows``).
+
 With ``--kvshare-lr-cache`` the backend also owns PReCache's LR pool
 (``sglang_kvshare.integration.lr_cache``): it writes base K/V as stock and attends with
 ``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and decode.
@@ -19,6 +22,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_kvshare.integration import recompute_path
 from sglang_kvshare.integration.lr_cache import init_lr_cache, paged_indices
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
 
@@ -36,6 +40,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.model_runner = model_runner
+        recompute_path.bind_runner(model_runner)
         self.lr = None
         self._paged = (None, None)  # (forward batch, its paged indices), shared by all layers
 
@@ -47,6 +52,14 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             self.lr.begin_forward(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        running = recompute_path.current()
+        if running is not None:
+            plan, rows = running
+            plan.observe_queries(layer, q, rows)
+            if rows is not None:
+                if self._lr_layer(layer) or layer.is_cross_attention:
+                    raise RuntimeError("kvshare: selective recomputation runs without the LR cache")
+                return self._forward_rows(q, k, v, layer, forward_batch, save_kv_cache, rows, plan)
         if not self._lr_layer(layer):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
@@ -57,6 +70,35 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
                                 [1] * forward_batch.batch_size)
+
+    def _forward_rows(self, q, k, v, layer, forward_batch, save_kv_cache, rows, plan):
+        """Extend attention of a subset of the batch's rows (selective recomputation): each
+        query attends, by position, to every slot of its request up to its own position. The
+        other rows are not computed at this layer; their slots hold the reused K/V."""
+        dev_rows = rows.to(q.device)
+        if save_kv_cache and k is not None and v is not None:
+            loc = forward_batch.out_cache_loc[dev_rows]
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
+        heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
+        q_ = q.reshape(-1, heads, layer.qk_head_dim)
+        out = q.new_empty(q_.shape[0], heads, v_dim)
+        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        for i, (start, n, prefix) in enumerate(zip(plan.starts, plan.lens, plan.prefix)):
+            sel = torch.nonzero((rows >= start) & (rows < start + n)).flatten().to(q.device)
+            if not len(sel):
+                continue
+            q_pos = prefix + dev_rows[sel] - start
+            slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
+            keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
+            values = v_cache[slots].transpose(0, 1).to(q.dtype)
+            mask = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos[:, None]
+            o = scaled_dot_product_attention(
+                q_[sel].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=mask, scale=layer.scaling, enable_gqa=heads != layer.tp_k_head_num,
+            )
+            out[sel] = o.squeeze(0).transpose(0, 1)
+        return out.reshape(-1, heads * v_dim)
 
     def _lr_layer(self, layer) -> bool:
         return (

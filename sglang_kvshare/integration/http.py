@@ -164,15 +164,16 @@ class KVShareMiddleware:
                     f"the prompt is given by kvshare.segments; do not also send '{key}'"
                 )
         ann = parse_annotation(payload["kvshare"], self.args.method)
-        lr_sharing = get_method(ann.method).lr_sharing
+        method = get_method(ann.method)
+        lr_sharing = method.lr_sharing
         if lr_sharing and not self.args.lr_cache:
             raise AnnotationError(
                 f"method {ann.method} needs a server started with --enable-lora and --kvshare-lr-cache"
             )
-        if self.args.lr_cache and payload.get("lora_path") is not None and get_method(ann.method).corrector:
+        if self.args.lr_cache and payload.get("lora_path") is not None and (method.corrector or method.selector):
             raise AnnotationError(
-                f"method {ann.method} corrects K/V; on a --kvshare-lr-cache server LoRA agents use "
-                "nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
+                f"method {ann.method} corrects or recomputes K/V; on a --kvshare-lr-cache server LoRA "
+                "agents use nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
             )
         if lr_sharing == "rebase_lp" and payload.get("stream"):
             raise AnnotationError("method rebase_shared_lp rebuilds the cache after the turn; stream is not supported")

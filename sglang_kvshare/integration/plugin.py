@@ -2,7 +2,8 @@
 
 SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It registers the
 ``kvshare`` radix-cache backend, the ``kvshare_torch`` attention backend and the HookRegistry
-hooks (scheduler side: segment-wise prefill and the LR cache's LoRA hooks and ReBaseShared's double batching; tokenizer side: the
+hooks (scheduler side: segment-wise prefill, the LR cache's LoRA hooks, ReBaseShared's double
+batching and the decoder-layer hook of selective recomputation; tokenizer side: the
 ``meta_info.kvshare`` record).
 """
 
@@ -26,6 +27,7 @@ def load() -> None:
     from sglang_kvshare.integration.double_batch import register_double_batch_hooks
     from sglang_kvshare.integration.lr_cache import register_lr_hooks
     from sglang_kvshare.integration.meta import register_tokenizer_hooks
+    from sglang_kvshare.integration.recompute_path import register_recompute_hooks
     from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
     from sglang_kvshare.integration.tree import register_tree
 
@@ -40,6 +42,7 @@ def load() -> None:
     register_scheduler_hooks()
     register_lr_hooks()
     register_double_batch_hooks()
+    register_recompute_hooks()
     register_tokenizer_hooks()
     _loaded = True
     logger.info("sglang_kvshare plugin loaded")

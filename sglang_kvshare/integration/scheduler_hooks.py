@@ -33,6 +33,7 @@ from sglang_kvshare.integration.injection import (
     rope_of,
 )
 from sglang_kvshare.integration.lr_cache import lr_cache
+from sglang_kvshare.integration.recompute_path import plan_segment
 from sglang_kvshare.integration.state import META_KEY, context
 from sglang_kvshare.integration.tree import tree_of
 
@@ -117,14 +118,16 @@ def _inject_pending(scheduler) -> None:
         rec = st.source(ctx.registry, span.slot)
         n = 0 if rec is None else injectable_len(req, span, rec)
         result = None
-        if n > 0 and st.method.corrector is None:
+        if n > 0 and st.method.selector:
+            result = plan_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler))
+        elif n > 0 and st.method.corrector is None:
             result = inject_segment(scheduler, req, span, rec, n, _rope(scheduler))
         elif n > 0:
             corrector = ctx.corrector(st.method.corrector, st.spec.tau)
             result = correct_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler), corrector)
             st.anchor_bytes = corrector.nbytes()
         if result is None:
-            st.modes[i] = "dense_fallback" if i in st.pending else "computed"
+            st.modes.setdefault(i, "dense_fallback" if i in st.pending else "computed")
         else:
             commit_injection(scheduler, req, span.start, result.dst)
             st.modes[i] = "corrected" if st.method.corrector else "injected"

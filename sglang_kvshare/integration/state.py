@@ -34,6 +34,9 @@ class ReqShareState:
     corrections: dict[int, dict[str, Any]] = field(default_factory=dict)
     # per span index: what a dense fallback must report to the corrector once its KV exists
     pending: dict[int, Any] = field(default_factory=dict)
+    # per span index: selective recomputation (budget, token-layers) and its running jobs
+    recompute: dict[int, dict[str, Any]] = field(default_factory=dict)
+    jobs: dict[int, Any] = field(default_factory=dict)
     first_prefix_len: Optional[int] = None
     anchor_bytes: Optional[int] = None  # bytes of the method's correction state, last seen
     computed_tokens: int = 0
@@ -84,6 +87,14 @@ class ReqShareState:
                 entry["source_agent"] = self.sources[i]
             if i in self.corrections:
                 entry.update(self.corrections[i])
+            if i in self.recompute:
+                if i in self.jobs:
+                    job = self.jobs[i]
+                    self.recompute[i].update(
+                        recomputed_token_layers=job.token_layers,
+                        layer_groups=[list(g) for g in job.layer_groups],
+                    )
+                entry.update(self.recompute[i])
             segs.append(entry)
         self.meta.update(
             method=self.method.name,
@@ -99,6 +110,10 @@ class ReqShareState:
             cached_tokens=self.first_prefix_len or 0,
             segments=segs,
         )
+        if self.method.selector:
+            self.meta["recomputed_token_layers"] = sum(
+                r["recomputed_token_layers"] for r in self.recompute.values()
+            )
         if self.anchor_bytes is not None:
             self.meta["anchor_bytes"] = self.anchor_bytes
         return self.meta

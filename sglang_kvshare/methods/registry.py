@@ -13,6 +13,9 @@ class MethodSpec:
     corrector: name in ``sglang_kvshare.correction`` applied to injected caches (None: as is).
     chained: the correction starts from the source agent's materialised cache; otherwise from a
         context-free reference cache of the segment, which costs one extra prefill per segment.
+    selector: selective recomputation rule in ``sglang_kvshare.recompute`` (CacheBlend,
+        DroidSpeak, RelayCaching): the source cache is reused and the token-layers the rule picks,
+        within the budget ``recompute_ratio``, are recomputed under the target's context.
     lr_sharing: PReCache family (agents differ by LoRA adapter; needs ``--kvshare-lr-cache``):
         all agents of a workflow share ONE radix namespace of base K/V plus per-adapter LR caches,
         and reuse a common token prefix instead of injecting segments. ``baseshared``: an agent
@@ -29,6 +32,7 @@ class MethodSpec:
     description: str
     corrector: str | None = None
     chained: bool = True
+    selector: str | None = None
     lr_sharing: str | None = None
 
     @property
@@ -77,6 +81,27 @@ METHODS: dict[str, MethodSpec] = {
             "GraphFlow: one correction per recurring (slot, source, target) relation, no matching",
             corrector="graphflow",
             chained=False,
+        ),
+        MethodSpec(
+            "cacheblend",
+            True,
+            "CacheBlend: reuse the source cache, recompute the top KV-deviation tokens past the "
+            "check layers",
+            selector="cacheblend",
+        ),
+        MethodSpec(
+            "droidspeak",
+            True,
+            "DroidSpeak: reuse the source cache, recompute every token in profiled critical layer "
+            "groups from the stored hidden state",
+            selector="droidspeak",
+        ),
+        MethodSpec(
+            "relaycaching",
+            True,
+            "RelayCaching: reuse the source cache, recompute deviation x attention tokens in the "
+            "critical middle layers",
+            selector="relaycaching",
         ),
         MethodSpec(
             "baseshared",

@@ -1,0 +1,542 @@
+"""Selective recomputation (CacheBlend, DroidSpeak, RelayCaching) inside SGLang's forward.
+
+Scheduler side, between two prefill chunks (``scheduler_hooks._inject_pending``): a shared
+segment with a source cache becomes a :class:`RecomputeJob` that holds the source's K/V, keys
+re-aligned to the request's positions. Unlike an injection, the segment is not committed as
+prefix: its tokens are query rows of the next extend. Ratio 0 is an injection (= fullshared),
+ratio 1 a dense prefill of the segment (= nonshared).
+
+Model side, one AROUND hook on the Llama decoder layer, for extend batches that carry a job:
+
+- before the first layer, every job's reused K/V of all layers is written into its rows' slots;
+- at layer ``l`` only the rows the plan recomputes at ``l`` run the layer, with every row that
+  belongs to no job (the request's private tokens, other requests). The hidden states of the
+  other rows pass through untouched and their slots keep the reused K/V, which the recomputed
+  queries attend to (Eq. 3). ``kvshare_torch`` attends a row subset by position, and the LoRA
+  batch info is narrowed to the same rows;
+- CacheBlend and RelayCaching first run the check layers ``[0, CHECK_LAYERS)`` for all segment
+  rows, then select from the KV deviation at the last check layer (RelayCaching: times the
+  attention mass the request's later tokens give each segment token there). The layer-0 KV of a
+  token does not depend on its context, so the deviation is read at layer 1;
+- DroidSpeak's layer groups come from its offline profile (``--kvshare-droidspeak-profile``);
+- a row whose recomputation starts at ``l > 0`` enters from the hidden state stored when the
+  segment was last prefilled densely (:class:`HiddenStore`, DroidSpeak's stored hidden state).
+
+Each job counts the token-layers it really ran (``recomputed_token_layers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_kvshare.recompute import (
+    DroidSpeakProfile,
+    RecomputePlan,
+    SelectionInputs,
+    attention_mass,
+    get_selector,
+    token_deviation,
+)
+from sglang_kvshare.rope import RopeSpec, shift_keys
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {"decoder_layer": "sglang.srt.models.llama.LlamaDecoderLayer.forward"}
+
+CHECK_LAYERS = 2  # CacheBlend / RelayCaching check pass: layers 0 and 1 for every segment token
+DEFAULT_RATIO = 0.1  # rho 0.9, the papers' default for agents that differ by system prompt
+DEFAULT_LORA_RATIO = 0.3  # PReCache Sec. 4.1: 30% recomputation for LoRA agents
+NEEDS_HIDDEN = ("droidspeak", "relaycaching")
+HIDDEN_STORE_ENTRIES = 64
+
+
+def recompute_ratio(spec_ratio: Optional[float], server_ratio: float, lora: bool) -> float:
+    """The budget of a request: its own, else the server's (>= 0), else the papers' default."""
+    if spec_ratio is not None:
+        return float(spec_ratio)
+    if server_ratio >= 0:
+        return float(server_ratio)
+    return DEFAULT_LORA_RATIO if lora else DEFAULT_RATIO
+
+
+# ---------------------------------------------------------------------------------------------
+# stored hidden states
+
+
+@dataclass
+class StoredHidden:
+    """Residual stream entering every layer for the tokens of one densely prefilled segment."""
+
+    x: torch.Tensor  # [num_layers, n, hidden]
+    token_ids: torch.Tensor  # [n] int64
+    filled: torch.Tensor  # [n] bool: rows whose every layer has been captured
+
+    def covers(self, token_ids: list[int]) -> bool:
+        n = len(token_ids)
+        return (
+            n <= len(self.token_ids)
+            and bool(self.filled[:n].all())
+            and self.token_ids[:n].tolist() == list(token_ids)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.numel() * self.x.element_size()
+
+
+class HiddenStore:
+    """(workflow, slot) -> the latest dense prefill's :class:`StoredHidden`, oldest evicted."""
+
+    def __init__(self, capacity: int = HIDDEN_STORE_ENTRIES):
+        self.capacity = capacity
+        self.items: "OrderedDict[tuple[str, str], StoredHidden]" = OrderedDict()
+
+    def begin(self, key, num_layers: int, n: int, hidden: int, dtype, device) -> StoredHidden:
+        entry = StoredHidden(
+            x=torch.zeros(num_layers, n, hidden, dtype=dtype, device=device),
+            token_ids=torch.full((n,), -1, dtype=torch.int64),
+            filled=torch.zeros(n, dtype=torch.bool),
+        )
+        self.items[key] = entry
+        self.items.move_to_end(key)
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+        return entry
+
+    def get(self, key, token_ids: list[int]) -> Optional[StoredHidden]:
+        entry = self.items.get(key)
+        return entry if entry is not None and entry.covers(token_ids) else None
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.items.values())
+
+
+_STORE = HiddenStore()
+
+
+def hidden_store() -> HiddenStore:
+    return _STORE
+
+
+# ---------------------------------------------------------------------------------------------
+# the DroidSpeak profile
+
+
+def load_profile(path: str, num_layers: int) -> DroidSpeakProfile:
+    """A profile JSON written by ``benchmarks.coverage`` (``{"layer_deviation": [...]}``)."""
+    raw = json.loads(Path(path).read_text())
+    dev = [float(x) for x in raw["layer_deviation"]]
+    if len(dev) != num_layers:
+        raise ValueError(f"DroidSpeak profile {path} has {len(dev)} layers, the model has {num_layers}")
+    prof = DroidSpeakProfile(num_layers)
+    prof.sum = torch.tensor(dev, dtype=torch.float64)
+    prof.num_samples = 1
+    return prof
+
+
+_PROFILES: dict[tuple[str, int], DroidSpeakProfile] = {}
+
+
+def droidspeak_profile(path: str, num_layers: int) -> DroidSpeakProfile:
+    """The server's profile; without ``--kvshare-droidspeak-profile`` every layer weighs the same
+    (the groups then start at layer 0)."""
+    key = (path, num_layers)
+    if key not in _PROFILES:
+        if path:
+            _PROFILES[key] = load_profile(path, num_layers)
+        else:
+            prof = DroidSpeakProfile(num_layers)
+            prof.sum = torch.ones(num_layers, dtype=torch.float64)
+            prof.num_samples = 1
+            _PROFILES[key] = prof
+    return _PROFILES[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# jobs (scheduler side)
+
+
+@dataclass
+class RecomputeJob:
+    """One shared segment of a request whose KV is reused and partly recomputed."""
+
+    index: int  # span index in the request's spec
+    start: int  # position of the segment's first token
+    k: torch.Tensor  # [num_layers, n, kv_heads, head_dim] reused keys at the request's positions
+    v: torch.Tensor
+    selector: str
+    ratio: float
+    plan: Optional[RecomputePlan] = None  # DroidSpeak: fixed before the forward
+    hidden: Optional[StoredHidden] = None
+    token_layers: int = 0  # token-layers executed so far (check pass included)
+    layer_groups: tuple = ()
+
+    @property
+    def n(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k.shape[0])
+
+
+@torch.no_grad()
+def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
+    """K/V of slots ``src`` for every layer, keys moved ``delta`` positions:
+    (k, v) each ``[num_layers, n, kv_heads, head_dim]``."""
+    from sglang_kvshare.integration.injection import kv_layers
+
+    layers = list(kv_layers(pool))
+    keys = torch.stack([k_buf[src] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
+    n, L, H, D = keys.shape
+    keys = shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D)
+    values = torch.stack([v_buf[src] for _, v_buf in layers])
+    return keys.transpose(0, 1).contiguous(), values
+
+
+def start_job(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec, ratio: float):
+    """A job for the first ``n`` tokens of ``span`` from source ``rec``; (job, reason) with
+    job None when the segment must be computed densely (reason says why)."""
+    from sglang_kvshare.integration.state import context
+
+    from sglang.srt.models.llama import LlamaDecoderLayer
+
+    runner = scheduler.tp_worker.model_runner
+    if _RUNNER[0] is not runner:
+        return None, "attention_backend"  # row subsets are attended by kvshare_torch only
+    model = runner.model
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(type(l).forward is LlamaDecoderLayer.forward for l in layers):
+        return None, "model_not_supported"  # the hook runs the Llama family's decoder layer
+    num_layers = len(layers)
+    hidden = None
+    plan = None
+    if st.method.selector == "droidspeak":
+        prof = droidspeak_profile(context().args.droidspeak_profile, num_layers)
+        plan = get_selector("droidspeak", profile=prof).plan(
+            ratio, SelectionInputs(num_layers=num_layers, seg_len=n)
+        )
+        if plan.is_dense:
+            return None, "dense"
+    needs_hidden = st.method.selector == "relaycaching" or (
+        plan is not None and any(layer > 0 for layer in plan.hidden_state_entries())
+    )
+    if needs_hidden:
+        tokens = req.full_untruncated_fill_ids[span.start : span.start + n]
+        hidden = _STORE.get((st.spec.workflow, span.slot), tokens)
+        if hidden is None:
+            return None, "no_hidden_state"
+    tree = scheduler.tree_cache
+    found = tree.find_source(rec, n)
+    if found is None or len(found[1]) < n:
+        return None, "source_gone"
+    node, src_idx = found
+    lock = tree.lock(node)
+    try:
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        k, v = gather_aligned(pool, src_idx.to(torch.int64), span.start - rec.start, rope)
+    finally:
+        tree.unlock(lock)
+    job = RecomputeJob(index, span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
+    if plan is not None:
+        job.layer_groups = plan.layer_groups
+    return job, None
+
+
+def plan_segment(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec):
+    """Decide how ``n`` tokens of ``span`` are shared; returns the InjectResult of an injection
+    (ratio 0) or None (the segment enters the next extend: a job, or dense). Records the
+    request's ``recompute`` entry and mode."""
+    from sglang_kvshare.integration.injection import inject_segment
+    from sglang_kvshare.integration.state import context
+
+    ratio = recompute_ratio(st.spec.recompute_ratio, context().args.recompute_ratio, req.lora_id is not None)
+    num_layers = scheduler.token_to_kv_pool_allocator.get_kvcache().layer_num
+    entry = {"recompute_ratio": ratio, "token_layers": n * num_layers, "recomputed_token_layers": 0}
+    st.recompute[index] = entry
+    if ratio == 0.0:
+        return inject_segment(scheduler, req, span, rec, n, rope)
+    job, reason = (None, "dense") if ratio == 1.0 else start_job(scheduler, req, st, index, span, rec, n, rope, ratio)
+    if job is None:
+        entry["recomputed_token_layers"] = n * num_layers
+        st.modes[index] = "recomputed" if reason == "dense" else "computed"
+        if reason != "dense":
+            entry["reason"] = reason
+        return None
+    st.jobs[index] = job
+    st.modes[index] = "recomputed"
+    st.sources[index] = rec.agent
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the forward (model side)
+
+
+@dataclass
+class Piece:
+    """The rows of one job that are in this extend."""
+
+    job: RecomputeJob
+    req: int  # index of the request in the batch
+    rows: torch.Tensor  # [m] batch rows
+    tok: torch.Tensor  # [m] token index within the job
+    exec: Optional[torch.Tensor] = None  # bool [num_layers, m]: layers each row runs
+    queries: Optional[torch.Tensor] = None  # RelayCaching: later tokens' queries at the check layer
+    scaling: Optional[float] = None
+
+
+@dataclass
+class Capture:
+    """Rows of a densely computed shared segment whose hidden states are stored."""
+
+    entry: StoredHidden
+    rows: torch.Tensor
+    tok: torch.Tensor
+
+
+_UNSET = object()
+_ATTR = "_kvshare_recompute"
+_CURRENT: list = [None]  # (BatchPlan, rows or None) while a decoder layer runs
+_RUNNER: list = [None]  # the model runner whose attention backend is kvshare_torch
+
+
+def bind_runner(model_runner) -> None:
+    """Called by the ``kvshare_torch`` backend: its runner's pools are the ones jobs write."""
+    _RUNNER[0] = model_runner
+
+
+def current():
+    """(plan, active rows or None) of the decoder layer now running, or None."""
+    return _CURRENT[0]
+
+
+@dataclass
+class BatchPlan:
+    pieces: list[Piece]
+    captures: list[Capture]
+    starts: list[int]  # first batch row of each request
+    lens: list[int]
+    prefix: list[int]
+    num_rows: int
+    states: list = field(default_factory=list)  # ReqShareState of the requests with pieces
+    pending_captures: list = field(default_factory=list)  # (key, span, req, lo, hi) at layer 0
+
+    @classmethod
+    def build(cls, fb) -> Optional["BatchPlan"]:
+        from sglang_kvshare.integration.state import context
+
+        if _RUNNER[0] is None or not fb.forward_mode.is_extend() or not fb.rids or fb.extend_seq_lens_cpu is None:
+            return None
+        ctx = context()
+        lens = [int(n) for n in fb.extend_seq_lens_cpu]
+        prefix = [int(n) for n in fb.extend_prefix_lens_cpu]
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        plan = cls([], [], starts, lens, prefix, sum(lens))
+        for i, rid in enumerate(fb.rids):
+            st = ctx.requests.get(rid)
+            if st is None or not st.method.selector:
+                continue
+            lo_req, hi_req = prefix[i], prefix[i] + lens[i]
+            for job in st.jobs.values():
+                lo, hi = max(job.start, lo_req), min(job.start + job.n, hi_req)
+                if lo < hi:
+                    rows = torch.arange(starts[i] + lo - lo_req, starts[i] + hi - lo_req)
+                    plan.pieces.append(Piece(job, i, rows, torch.arange(lo - job.start, hi - job.start)))
+                    if st not in plan.states:
+                        plan.states.append(st)
+            if st.method.selector in NEEDS_HIDDEN:
+                for idx, span in enumerate(st.spec.spans):
+                    if not span.shared or idx in st.jobs or st.modes.get(idx) == "injected":
+                        continue
+                    lo, hi = max(span.start, lo_req), min(span.end, hi_req)
+                    if lo < hi:
+                        plan.pending_captures.append(((st.spec.workflow, span.slot), span, i, lo, hi))
+        if not plan.pieces and not plan.pending_captures:
+            return None
+        return plan
+
+    # -- layer 0 ------------------------------------------------------------------------------
+
+    def begin(self, fb, hidden: torch.Tensor, num_layers: int) -> None:
+        pool = _RUNNER[0].token_to_kv_pool
+        for p in self.pieces:
+            loc = fb.out_cache_loc[p.rows].to(torch.int64)
+            for layer in range(num_layers):
+                k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+                k_buf[loc] = p.job.k[layer, p.tok].to(k_buf.dtype)
+                v_buf[loc] = p.job.v[layer, p.tok].to(v_buf.dtype)
+            if p.job.plan is not None:  # DroidSpeak
+                p.exec = p.job.plan.mask[:, p.tok].to(hidden.device)
+            else:  # check pass first; the rest is selected at layer CHECK_LAYERS
+                p.exec = torch.zeros(num_layers, len(p.rows), dtype=torch.bool, device=hidden.device)
+                p.exec[: min(CHECK_LAYERS, num_layers)] = True
+        for key, span, i, lo, hi in self.pending_captures:
+            entry = _STORE.items.get(key)
+            if entry is None or lo == span.start or entry.x.shape[1] != len(span):
+                entry = _STORE.begin(key, num_layers, len(span), hidden.shape[-1], hidden.dtype, hidden.device)
+            rows = torch.arange(self.starts[i] + lo - self.prefix[i], self.starts[i] + hi - self.prefix[i])
+            tok = torch.arange(lo - span.start, hi - span.start)
+            entry.token_ids[tok] = fb.input_ids[rows].cpu().to(torch.int64)
+            self.captures.append(Capture(entry, rows, tok))
+
+    # -- selection ----------------------------------------------------------------------------
+
+    def select(self, p: Piece, fb, check_layer: int) -> None:
+        """Decide CacheBlend / RelayCaching rows from the check layer ``check_layer``."""
+        pool = _RUNNER[0].token_to_kv_pool
+        loc = fb.out_cache_loc[p.rows].to(torch.int64)
+        m = len(p.rows)
+        reused = (p.job.k[check_layer, p.tok].reshape(m, -1), p.job.v[check_layer, p.tok].reshape(m, -1))
+        fresh = (
+            pool.get_key_buffer(check_layer)[loc].reshape(m, -1).float(),
+            pool.get_value_buffer(check_layer)[loc].reshape(m, -1).float(),
+        )
+        num_layers = p.job.num_layers
+        if p.job.selector == "cacheblend":
+            # only the last check layer is read
+            stack = lambda kv: tuple(t.float().unsqueeze(0).expand(CHECK_LAYERS, -1, -1) for t in kv)
+            plan = get_selector("cacheblend", check_layers=CHECK_LAYERS).plan(
+                p.job.ratio,
+                SelectionInputs(num_layers, m, reused_kv=stack(reused), recomputed_kv=stack(fresh)),
+            )
+        else:
+            dev = token_deviation(tuple(t.float() for t in reused), fresh)
+            att = self.attention_mass(p, fb, check_layer)
+            plan = get_selector("relaycaching").plan(
+                p.job.ratio,
+                SelectionInputs(num_layers, m, token_deviation=dev, attention_mass=att),
+            )
+        p.exec = p.exec | plan.mask.to(p.exec.device)
+        p.job.layer_groups = plan.layer_groups
+
+    def attention_mass(self, p: Piece, fb, layer: int) -> torch.Tensor:
+        """Attention the request's later tokens (queries at ``layer``) give each segment row; all
+        ones when no later token is in this extend."""
+        m = len(p.rows)
+        if p.queries is None or len(p.queries) == 0:
+            return torch.ones(m)
+        i = p.req
+        first = self.prefix[i] + int(p.rows[-1]) + 1 - self.starts[i]  # position after the segment
+        slots = _RUNNER[0].req_to_token_pool.req_to_token[fb.req_pool_indices[i], :first].to(torch.int64)
+        keys = _RUNNER[0].token_to_kv_pool.get_key_buffer(layer)[slots]
+        mass = attention_mass(p.queries, keys, p.scaling)
+        return mass[p.job.start + p.tok].cpu()
+
+    def observe_queries(self, layer, q: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
+        """From the attention backend: keep the queries RelayCaching scores with."""
+        if layer.layer_id != CHECK_LAYERS - 1:
+            return
+        for p in self.pieces:
+            if p.job.selector != "relaycaching":
+                continue
+            i = p.req
+            after = torch.arange(int(p.rows[-1]) + 1, self.starts[i] + self.lens[i])
+            batch_rows = rows if rows is not None else torch.arange(self.num_rows)
+            pick = torch.isin(batch_rows.cpu(), after)
+            p.queries = q.reshape(len(batch_rows), layer.tp_q_head_num, layer.qk_head_dim)[pick.to(q.device)]
+            p.scaling = layer.scaling
+
+    # -- one layer ----------------------------------------------------------------------------
+
+    def run_layer(self, original, layer, positions, hidden, fb, args, kwargs):
+        lid = layer.self_attn.attn.layer_id
+        num_layers = _RUNNER[0].token_to_kv_pool.layer_num
+        if lid == 0:
+            self.begin(fb, hidden, num_layers)
+        if self.captures:
+            out, res = residual_batch.stream_of(fb).export(hidden)
+            x_now = out if res is None else out + res
+            for c in self.captures:
+                c.entry.x[lid, c.tok] = x_now[c.rows].to(c.entry.x.dtype)
+        active = torch.ones(self.num_rows, dtype=torch.bool)
+        entries = []
+        for p in self.pieces:
+            if lid == CHECK_LAYERS and p.job.plan is None:
+                self.select(p, fb, CHECK_LAYERS - 1)
+            run = p.exec[lid].cpu()
+            active[p.rows[~run]] = False
+            p.job.token_layers += int(run.sum())
+            if lid > 0:
+                starting = run & ~p.exec[lid - 1].cpu()
+                if bool(starting.any()):
+                    entries.append((p.rows[starting], p.job.hidden.x[lid, p.tok[starting]]))
+        if bool(active.all()) and not entries:
+            out = self.call(original, layer, positions, hidden, fb, args, kwargs, None)
+        else:
+            x = residual_batch.fold(hidden, fb).clone()
+            for rows, h in entries:
+                x[rows.to(x.device)] = h.to(x.dtype)
+            rows = torch.nonzero(active).flatten()
+            dev_rows = rows.to(x.device)
+            xa = residual_batch.set_written(x[dev_rows], fb)
+            out = self.call(original, layer, positions[dev_rows], xa, fb, args, kwargs, rows)
+            x[dev_rows] = residual_batch.fold(out, fb)
+            out = residual_batch.set_written(x, fb)
+        if lid == num_layers - 1:
+            self.finish()
+        return out
+
+    def call(self, original, layer, positions, hidden, fb, args, kwargs, rows):
+        lora = getattr(layer.self_attn.qkv_proj, "lora_backend", None)
+        saved = None
+        if rows is not None and lora is not None and lora.batch_info is not None:
+            saved = lora.batch_info
+            lora.batch_info = self.narrow_lora(saved, rows)
+        _CURRENT[0] = (self, rows)
+        try:
+            return original(layer, positions, hidden, fb, *args, **kwargs)
+        finally:
+            _CURRENT[0] = None
+            if saved is not None:
+                lora.batch_info = saved
+
+    def narrow_lora(self, info, rows: torch.Tensor):
+        """The LoRA batch info of the active rows only (one segment per request)."""
+        if info.num_segments != len(self.lens) or info.permutation is not None:
+            raise RuntimeError("kvshare: selective recomputation needs one LoRA segment per request")
+        counts = torch.tensor(
+            [int(((rows >= s) & (rows < s + n)).sum()) for s, n in zip(self.starts, self.lens)],
+            dtype=torch.int32,
+        )
+        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(counts, 0)
+        dev = info.seg_lens.device
+        changes = dict(
+            seg_lens=counts.to(dev), seg_indptr=indptr.to(dev), max_len=int(counts.max()),
+            expected_tokens=len(rows),
+        )
+        for name, value in (("seg_lens_cpu", counts), ("seg_indptr_cpu", indptr)):
+            if hasattr(info, name):
+                changes[name] = value
+        return dataclasses.replace(info, **changes)
+
+    def finish(self) -> None:
+        for c in self.captures:
+            c.entry.filled[c.tok] = True
+        for st in self.states:
+            st.refresh_meta()
+
+
+def _decoder_layer_forward(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
+    plan = getattr(forward_batch, _ATTR, _UNSET)
+    if plan is _UNSET:
+        plan = BatchPlan.build(forward_batch)
+        setattr(forward_batch, _ATTR, plan)
+    if plan is None:
+        return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
+    return plan.run_layer(original, layer, positions, hidden_states, forward_batch, args, kwargs)
+
+
+def register_recompute_hooks() -> None:
+    HookRegistry.register(TARGETS["decoder_layer"], _decoder_layer_forward, HookType.AROUND)
