@@ -262,7 +262,9 @@ def plan_segment(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSp
 
     ratio = recompute_ratio(st.spec.recompute_ratio, context().args.recompute_ratio, req.lora_id is not None)
     num_layers = scheduler.token_to_kv_pool_allocator.get_kvcache().layer_num
-    entry = {"recompute_ratio": ratio, "token_layers": n * num_layers, "recomputed_token_layers": 0}
+    # token_layers: of the n tokens the source covers (the rest of the span is computed anyway)
+    entry = {"recompute_ratio": ratio, "source_tokens": n, "token_layers": n * num_layers,
+             "recomputed_token_layers": 0}
     st.recompute[index] = entry
     if ratio == 0.0:
         return inject_segment(scheduler, req, span, rec, n, rope)
@@ -502,24 +504,23 @@ class BatchPlan:
                 lora.batch_info = saved
 
     def narrow_lora(self, info, rows: torch.Tensor):
-        """The LoRA batch info of the active rows only (one segment per request)."""
-        if info.num_segments != len(self.lens) or info.permutation is not None:
-            raise RuntimeError("kvshare: selective recomputation needs one LoRA segment per request")
-        counts = torch.tensor(
+        """The LoRA batch info of the active rows only. A LoRA segment is a run of requests with
+        the same adapter; each keeps its adapter and shrinks to its active rows."""
+        if info.permutation is not None or getattr(info, "seg_indptr_cpu", None) is None:
+            raise RuntimeError("kvshare: selective recomputation needs the torch_native LoRA backend")
+        per_req = torch.tensor(
             [int(((rows >= s) & (rows < s + n)).sum()) for s, n in zip(self.starts, self.lens)],
             dtype=torch.int32,
         )
+        seg_of_req = torch.searchsorted(info.seg_indptr_cpu[1:].to(torch.int64), torch.tensor(self.starts), right=True)
+        counts = torch.zeros(info.num_segments, dtype=torch.int32).scatter_add_(0, seg_of_req, per_req)
         indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(counts, 0)
         dev = info.seg_lens.device
-        changes = dict(
-            seg_lens=counts.to(dev), seg_indptr=indptr.to(dev), max_len=int(counts.max()),
-            expected_tokens=len(rows),
+        return dataclasses.replace(
+            info, seg_lens=counts.to(dev), seg_indptr=indptr.to(dev), max_len=int(counts.max()),
+            expected_tokens=len(rows), seg_lens_cpu=counts, seg_indptr_cpu=indptr,
         )
-        for name, value in (("seg_lens_cpu", counts), ("seg_indptr_cpu", indptr)):
-            if hasattr(info, name):
-                changes[name] = value
-        return dataclasses.replace(info, **changes)
 
     def finish(self) -> None:
         for c in self.captures:

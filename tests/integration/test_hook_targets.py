@@ -4,12 +4,13 @@ import importlib
 
 import pytest
 
-from sglang_kvshare.integration import double_batch, lr_cache, meta, scheduler_hooks
+from sglang_kvshare.integration import double_batch, lr_cache, meta, recompute_path, scheduler_hooks
 
 TARGETS = sorted(
     set(scheduler_hooks.TARGETS.values())
     | set(lr_cache.TARGETS.values())
     | set(double_batch.TARGETS.values())
+    | set(recompute_path.TARGETS.values())
     | {meta.TARGET}
 )
 
