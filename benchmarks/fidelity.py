@@ -101,7 +101,8 @@ MAIN_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas_nonchained", "kvcom
 # without the LR cache (it reuses the previous agent's full cache, value delta included)
 LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_lp")
 # rebase_shared_db builds the same cache as rebase_shared_lp (tests/integration/test_precache_engine.py)
-KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:] + ("rebase_shared_db",)
+RECOMPUTE_METHODS = ("cacheblend", "droidspeak", "relaycaching")  # see benchmarks.coverage
+KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:] + ("rebase_shared_db",) + RECOMPUTE_METHODS
 REPO = Path(__file__).resolve().parent.parent
 ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
 TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate
@@ -116,12 +117,14 @@ class ShadowedSender:
     """A ``send`` for ``run_task``: per turn, the dense shadow (optional), then the real request,
     both asking for first-token logprobs. Records raw replies in ``self.turns``."""
 
-    def __init__(self, send, method: str, shadow_workflow: str, tau: Optional[float], shadow: bool):
+    def __init__(self, send, method: str, shadow_workflow: str, tau: Optional[float], shadow: bool,
+                 recompute_ratio: Optional[float] = None):
         self.send = send
         self.method = method
         self.shadow_workflow = shadow_workflow
         self.tau = tau
         self.shadow = shadow
+        self.recompute_ratio = recompute_ratio
         self.turns: List[Dict[str, Any]] = []
 
     def __call__(self, payload: Dict[str, Any]) -> Dict[str, Any]:
@@ -141,6 +144,8 @@ class ShadowedSender:
         real = copy.deepcopy(payload)
         if self.tau is not None and self.method in TAU_METHODS:
             real["kvshare"]["tau"] = self.tau
+        if self.recompute_ratio is not None:
+            real["kvshare"]["recompute_ratio"] = self.recompute_ratio
         real.update(logprob)
         if dense_ids:
             real["token_ids_logprob"] = dense_ids
@@ -176,6 +181,7 @@ def analyse_turn(
     rec: Dict[str, Any] = {
         "position": position,
         "agent": agent,
+        "payload_kvshare": turn["payload"]["kvshare"],  # what was sent (segments' text)
         "text": real.get("text", ""),
         "output_ids": output_ids(real),
         "latency_s": round(turn["latency_s"], 3),
@@ -194,7 +200,9 @@ def analyse_turn(
         "shared_reused": reused,
         "segments": [
             {k: s.get(k) for k in ("slot", "tokens", "mode", "injected_tokens", "source_agent",
-                                   "gate", "entropy", "anchors", "corrected_rows") if k in s}
+                                   "gate", "entropy", "anchors", "corrected_rows", "recompute_ratio",
+                                   "source_tokens", "token_layers", "recomputed_token_layers",
+                                   "layer_groups", "reason") if k in s}
             for s in kv.get("segments") or [] if s.get("shared")
         ],
     }
@@ -253,11 +261,11 @@ def analyse_turn(
 
 def run_one(
     send, task, roles, label: str, method: str, tau: Optional[float], tag: str, max_new_tokens: int,
-    shadow: bool, dump_root: Optional[Path], keep_dumps: bool,
+    shadow: bool, dump_root: Optional[Path], keep_dumps: bool, recompute_ratio: Optional[float] = None,
 ) -> Dict[str, Any]:
     workflow = f"fid:{tag}:{label}:{task.id}"
     shadow_workflow = f"fidshadow:{tag}:{label}:{task.id}"
-    sender = ShadowedSender(send, method, shadow_workflow, tau, shadow)
+    sender = ShadowedSender(send, method, shadow_workflow, tau, shadow, recompute_ratio)
     t0 = time.perf_counter()
     record = run_task(task, roles, TOPOLOGY, method, sender, max_new_tokens, workflow_id=workflow)
     wall = time.perf_counter() - t0
@@ -269,6 +277,7 @@ def run_one(
         "task_id": task.id,
         "method": method,
         "tau": tau,
+        "recompute_ratio": recompute_ratio,
         "label": label,
         "workflow": workflow,
         "shadowed": shadow,
@@ -366,6 +375,9 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "prompt_reuse_later": _r(1.0 - sum(t["computed_tokens"] or 0 for t in later)
                                  / max(1, sum(t["prompt_tokens"] or 0 for t in later))),
         "rebuild_tokens": sum(t.get("rebuild_tokens") or 0 for t in turns),
+        # selective recomputation: token-layers of the reused (source-covered) shared tokens
+        "recomputed_token_layers": sum(s.get("recomputed_token_layers") or 0 for t in later for s in t["segments"]),
+        "shared_token_layers": sum(s.get("token_layers") or 0 for t in later for s in t["segments"]),
         "kv_bytes_per_token": max((t.get("kv_bytes_per_token") or 0 for t in turns), default=0) or None,
         "lr_bytes_per_token_per_agent": max((t.get("lr_bytes_per_token_per_agent") or 0 for t in turns),
                                             default=0) or None,
@@ -488,7 +500,7 @@ def plot_sweep(sweep: Dict[str, Dict[str, Any]], path: Path) -> None:
 class Backend:
     """The server: started here (with a dump dir) or attached to (``--server-url``)."""
 
-    def __init__(self, args, workdir: Path, name: str, lr_cache: bool = False):
+    def __init__(self, args, workdir: Path, name: str, lr_cache: bool = False, extra_flags: Sequence[str] = ()):
         self.server = None
         if args.server_url:
             self.url = args.server_url
@@ -506,6 +518,7 @@ class Backend:
                       "--lora-paths", *[f"{n}={p}" for n, p in ADAPTERS.items()]]
         if lr_cache:
             flags.append("--kvshare-lr-cache")
+        flags += list(extra_flags)
         print(f"starting server ({name}), log {self.log_path}", flush=True)
         t0 = time.time()
         self.server = kvshare_server(str(ensure_default_model()), self.log_path, *flags,
@@ -523,17 +536,18 @@ class Backend:
 
 def run_plan(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: str,
              results: Dict[str, Any], section: str, save) -> None:
-    """Task-major loop over the (label, method, tau) of ``plan``; saves after every task."""
+    """Task-major loop over the (label, method, tau[, recompute_ratio]) of ``plan``; saves after
+    every task."""
     send = http_sender(backend.url, timeout=args.request_timeout)
     runs: Dict[str, List] = results.setdefault(section + "_runs", {})
     bar = tqdm(total=len(tasks) * len(plan), desc=section, unit="wf", dynamic_ncols=True)
     for ti, task in enumerate(tasks):
-        for label, method, tau in plan:
+        for label, method, tau, *ratio in plan:
             shadow = method != "nonshared" or ti < args.sanity_tasks
             bar.set_postfix_str(f"{label} {task.id}")
             try:
                 rec = run_one(send, task, roles, label, method, tau, tag, args.max_new_tokens, shadow,
-                              backend.dump_root, args.keep_dumps)
+                              backend.dump_root, args.keep_dumps, *ratio)
             except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                 rec = {"task_id": task.id, "method": method, "tau": tau, "label": label, "error": repr(e)}
                 tqdm.write(f"[{label} {task.id}] failed: {e!r}")

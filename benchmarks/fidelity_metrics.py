@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from sglang_kvshare.segments.sources import common_prefix
 
-REUSED_MODES = ("injected", "corrected")
+REUSED_MODES = ("injected", "corrected", "recomputed")
 
 
 def safe_name(name: str) -> str:
@@ -143,14 +143,20 @@ def mean(xs: Iterable[Optional[float]]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
-def reuse_counts(kvshare: Dict[str, Any]) -> Tuple[int, int]:
+def reuse_counts(kvshare: Dict[str, Any]) -> Tuple[float, int]:
     """(reused shared tokens, shared tokens) of one request: shared tokens served by injected or
-    corrected segments (their ``injected_tokens``), over all shared segments' tokens."""
-    reused = total = 0
+    corrected segments (their ``injected_tokens``), over all shared segments' tokens. A segment
+    under selective recomputation counts its source-covered tokens times the fraction of their
+    token-layers that were reused (``1 - recomputed_token_layers / token_layers``)."""
+    reused = 0.0
+    total = 0
     for seg in kvshare.get("segments") or []:
         if not seg.get("shared"):
             continue
         total += int(seg.get("tokens", 0))
-        if seg.get("mode") in REUSED_MODES:
+        if seg.get("mode") == "recomputed":
+            if seg.get("token_layers"):
+                reused += seg["source_tokens"] * (1.0 - seg["recomputed_token_layers"] / seg["token_layers"])
+        elif seg.get("mode") in REUSED_MODES:
             reused += int(seg.get("injected_tokens", seg.get("tokens", 0)))
     return reused, total

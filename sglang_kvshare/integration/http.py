@@ -370,14 +370,19 @@ class KVShareMiddleware:
             return
         if not isinstance(out, dict) or "output_ids" not in out:
             return
-        ids = list(out["output_ids"])
-        special = set(getattr(tok, "all_special_ids", []) or [])
-        while ids and ids[-1] in special:
-            ids.pop()
-        text = out.get("text", "")
-        # NOTE: only tokens that decode to exactly the returned text may stand in for it.
-        if ids and tok.decode(ids) == text:
-            self.outputs.put(ann.workflow, ann.agent, text, ids)
+        ids = exact_output_ids(tok, out["output_ids"], out.get("text", ""))
+        if ids:
+            self.outputs.put(ann.workflow, ann.agent, out.get("text", ""), ids)
+
+
+def exact_output_ids(tok, output_ids, text: str) -> Optional[list[int]]:
+    """The output tokens that stand for ``text`` when a later prompt quotes it: trailing special
+    tokens dropped; None unless they decode to exactly ``text``."""
+    ids = list(output_ids)
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    while ids and ids[-1] in special:
+        ids.pop()
+    return ids if ids and tok.decode(ids) == text else None
 
 
 def chat_segments(tok, messages: list, shared: dict) -> list[dict]:
