@@ -125,6 +125,7 @@ BAD = [
     ({"segments": [{"text": "hi", "shared": True}]}, "no slot"),
     ({"segments": []}, "non-empty list"),
     ({"agent": ""}, "kvshare.agent"),
+    ({"method": "cacheblend", "recompute_ratio": 1.5}, "recompute_ratio"),
 ]
 
 

@@ -187,3 +187,13 @@ def test_lr_methods_need_the_lr_cache(tiny_server):
     assert r.status_code == 400 and "--kvshare-lr-cache" in r.text
     body["kvshare"]["method"] = "nonshared"
     assert tiny_server.generate(body).status_code == 200
+
+
+def test_lr_cache_server_refuses_correcting_and_recomputing_methods_for_adapters(lr_servers):
+    ours, _ = lr_servers
+    for method in ("kvcmas", "cacheblend"):
+        body = {"sampling_params": {"max_new_tokens": 2}, "lora_path": AGENTS[0],
+                "kvshare": {"workflow": "w-refuse", "agent": AGENTS[0], "method": method, "segments": turn_segments(1)}}
+        r = ours.generate(body)
+        assert r.status_code == 400 and "corrects or recomputes" in r.text, method
+    assert ask(ours, "w-refuse", "prelr_shared", 1)["meta_info"]["kvshare"]["method"] == "prelr_shared"
