@@ -604,6 +604,8 @@ def parse_args(argv=None):
     ap.add_argument("--dump-dir", default=None, help="its --kvshare-dump-dir (with --server-url)")
     ap.add_argument("--workdir", default=None, help="server logs and dumps (default: a temp dir)")
     ap.add_argument("--keep-dumps", action="store_true")
+    ap.add_argument("--droidspeak-profile", default=None,
+                    help="--kvshare-droidspeak-profile of the started servers (see benchmarks.coverage)")
     ap.add_argument("--server-timeout", type=float, default=900)
     ap.add_argument("--request-timeout", type=float, default=900)
     ap.add_argument("--from-json", default=None,
@@ -699,7 +701,9 @@ def main(argv=None) -> int:
         for name, lr_cache, group in groups:
             if not group:
                 continue
-            backend = Backend(args, workdir, name, lr_cache=lr_cache)
+            profile = ["--kvshare-droidspeak-profile", str(Path(args.droidspeak_profile).resolve())] \
+                if args.droidspeak_profile else []
+            backend = Backend(args, workdir, name, lr_cache=lr_cache, extra_flags=profile)
             try:
                 run_plan(args, backend, tasks, roles, group, tag, results, "main", save)
             finally:

@@ -80,7 +80,6 @@ from sglang_kvshare.workflows import (
     build_schedule,
     build_segments,
     lora_conversation_roles,
-    out_slot,
 )
 
 DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")

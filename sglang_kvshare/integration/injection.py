@@ -105,15 +105,23 @@ def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: in
 
 
 @torch.no_grad()
-def copy_all_layers(pool, src: torch.Tensor, dst: torch.Tensor, delta: int, rope: RopeSpec) -> None:
-    """Torch path of the injection copy: one RoPE rotation for all layers' keys at once."""
+def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
+    """K/V of slots ``src`` in every layer, keys moved ``delta`` positions (one RoPE rotation
+    for all layers at once): (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
     layers = list(kv_layers(pool))
     keys = torch.stack([k_buf[src] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
     n, L, H, D = keys.shape
     keys = shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D)
-    for layer, (k_buf, v_buf) in enumerate(layers):
+    return keys, torch.stack([v_buf[src] for _, v_buf in layers], dim=1)
+
+
+@torch.no_grad()
+def copy_all_layers(pool, src: torch.Tensor, dst: torch.Tensor, delta: int, rope: RopeSpec) -> None:
+    """Torch path of the injection copy."""
+    keys, values = gather_aligned(pool, src, delta, rope)
+    for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
         k_buf[dst] = keys[:, layer]
-        v_buf[dst] = v_buf[src]
+        v_buf[dst] = values[:, layer]
 
 
 def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,9 +46,7 @@ from sglang_kvshare.recompute import (
     get_selector,
     token_deviation,
 )
-from sglang_kvshare.rope import RopeSpec, shift_keys
-
-logger = logging.getLogger(__name__)
+from sglang_kvshare.rope import RopeSpec
 
 TARGETS = {"decoder_layer": "sglang.srt.models.llama.LlamaDecoderLayer.forward"}
 
@@ -57,7 +54,7 @@ CHECK_LAYERS = 2  # CacheBlend / RelayCaching check pass: layers 0 and 1 for eve
 DEFAULT_RATIO = 0.1  # rho 0.9, the papers' default for agents that differ by system prompt
 DEFAULT_LORA_RATIO = 0.3  # PReCache Sec. 4.1: 30% recomputation for LoRA agents
 NEEDS_HIDDEN = ("droidspeak", "relaycaching")
-HIDDEN_STORE_ENTRIES = 64
+HIDDEN_STORE_BYTES = 512 * 2**20  # stored hidden states of all workflows together
 
 
 def recompute_ratio(spec_ratio: Optional[float], server_ratio: float, lora: bool) -> float:
@@ -95,21 +92,22 @@ class StoredHidden:
 
 
 class HiddenStore:
-    """(workflow, slot) -> the latest dense prefill's :class:`StoredHidden`, oldest evicted."""
+    """(workflow, slot) -> the latest dense prefill's :class:`StoredHidden`; the oldest entries
+    are evicted to stay within ``max_bytes`` (the newest is always kept)."""
 
-    def __init__(self, capacity: int = HIDDEN_STORE_ENTRIES):
-        self.capacity = capacity
+    def __init__(self, max_bytes: int = HIDDEN_STORE_BYTES):
+        self.max_bytes = max_bytes
         self.items: "OrderedDict[tuple[str, str], StoredHidden]" = OrderedDict()
 
     def begin(self, key, num_layers: int, n: int, hidden: int, dtype, device) -> StoredHidden:
+        self.items.pop(key, None)
         entry = StoredHidden(
             x=torch.zeros(num_layers, n, hidden, dtype=dtype, device=device),
             token_ids=torch.full((n,), -1, dtype=torch.int64),
             filled=torch.zeros(n, dtype=torch.bool),
         )
         self.items[key] = entry
-        self.items.move_to_end(key)
-        while len(self.items) > self.capacity:
+        while len(self.items) > 1 and self.nbytes() > self.max_bytes:
             self.items.popitem(last=False)
         return entry
 
@@ -170,7 +168,6 @@ def droidspeak_profile(path: str, num_layers: int) -> DroidSpeakProfile:
 class RecomputeJob:
     """One shared segment of a request whose KV is reused and partly recomputed."""
 
-    index: int  # span index in the request's spec
     start: int  # position of the segment's first token
     k: torch.Tensor  # [num_layers, n, kv_heads, head_dim] reused keys at the request's positions
     v: torch.Tensor
@@ -190,26 +187,13 @@ class RecomputeJob:
         return int(self.k.shape[0])
 
 
-@torch.no_grad()
-def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
-    """K/V of slots ``src`` for every layer, keys moved ``delta`` positions:
-    (k, v) each ``[num_layers, n, kv_heads, head_dim]``."""
-    from sglang_kvshare.integration.injection import kv_layers
-
-    layers = list(kv_layers(pool))
-    keys = torch.stack([k_buf[src] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
-    n, L, H, D = keys.shape
-    keys = shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D)
-    values = torch.stack([v_buf[src] for _, v_buf in layers])
-    return keys.transpose(0, 1).contiguous(), values
-
-
 def start_job(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec, ratio: float):
     """A job for the first ``n`` tokens of ``span`` from source ``rec``; (job, reason) with
     job None when the segment must be computed densely (reason says why)."""
-    from sglang_kvshare.integration.state import context
-
     from sglang.srt.models.llama import LlamaDecoderLayer
+
+    from sglang_kvshare.integration.injection import gather_aligned
+    from sglang_kvshare.integration.state import context
 
     runner = scheduler.tp_worker.model_runner
     if _RUNNER[0] is not runner:
@@ -245,9 +229,10 @@ def start_job(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec,
     try:
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
         k, v = gather_aligned(pool, src_idx.to(torch.int64), span.start - rec.start, rope)
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
     finally:
         tree.unlock(lock)
-    job = RecomputeJob(index, span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
+    job = RecomputeJob(span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
     if plan is not None:
         job.layer_groups = plan.layer_groups
     return job, None

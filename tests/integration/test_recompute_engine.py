@@ -217,7 +217,7 @@ def test_budget_defaults_follow_the_papers():
 def test_hidden_store_serves_only_fully_captured_matching_tokens():
     from sglang_kvshare.integration.recompute_path import HiddenStore
 
-    store = HiddenStore(capacity=2)
+    store = HiddenStore(max_bytes=3 * 4 * 5 * 4 + 8)  # this entry and two 4-byte ones
     entry = store.begin(("wf", "q"), num_layers=3, n=4, hidden=5, dtype=torch.float32, device="cpu")
     entry.token_ids[:] = torch.tensor([7, 8, 9, 10])
     entry.filled[:2] = True
@@ -229,7 +229,9 @@ def test_hidden_store_serves_only_fully_captured_matching_tokens():
     assert entry.nbytes == 3 * 4 * 5 * 4
     for i in range(2):
         store.begin(("wf", f"s{i}"), 1, 1, 1, torch.float32, "cpu")
-    assert ("wf", "q") not in store.items  # oldest evicted
+    assert ("wf", "q") in store.items and store.nbytes() == 248
+    store.begin(("wf", "s2"), 1, 1, 1, torch.float32, "cpu")
+    assert ("wf", "q") not in store.items and len(store.items) == 3  # the oldest evicted
 
 
 def test_a_profile_of_the_wrong_model_is_refused(tmp_path):
