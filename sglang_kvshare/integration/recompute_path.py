@@ -169,22 +169,24 @@ class RecomputeJob:
     """One shared segment of a request whose KV is reused and partly recomputed."""
 
     start: int  # position of the segment's first token
-    k: torch.Tensor  # [num_layers, n, kv_heads, head_dim] reused keys at the request's positions
-    v: torch.Tensor
+    # [num_layers, n, kv_heads, head_dim] reused K/V at the request's positions; None once the
+    # forward that reached the segment's last token has used them
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
     selector: str
     ratio: float
     plan: Optional[RecomputePlan] = None  # DroidSpeak: fixed before the forward
     hidden: Optional[StoredHidden] = None
     token_layers: int = 0  # token-layers executed so far (check pass included)
     layer_groups: tuple = ()
+    n: int = 0
+    num_layers: int = 0
 
-    @property
-    def n(self) -> int:
-        return int(self.k.shape[1])
+    def __post_init__(self) -> None:
+        self.num_layers, self.n = int(self.k.shape[0]), int(self.k.shape[1])
 
-    @property
-    def num_layers(self) -> int:
-        return int(self.k.shape[0])
+    def release(self) -> None:
+        self.k = self.v = self.hidden = None
 
 
 def start_job(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec, ratio: float):
@@ -336,6 +338,8 @@ class BatchPlan:
                 continue
             lo_req, hi_req = prefix[i], prefix[i] + lens[i]
             for job in st.jobs.values():
+                if job.k is None:
+                    continue  # done (a re-prefill after a retraction computes it densely)
                 lo, hi = max(job.start, lo_req), min(job.start + job.n, hi_req)
                 if lo < hi:
                     rows = torch.arange(starts[i] + lo - lo_req, starts[i] + hi - lo_req)
@@ -510,6 +514,9 @@ class BatchPlan:
     def finish(self) -> None:
         for c in self.captures:
             c.entry.filled[c.tok] = True
+        for p in self.pieces:
+            if int(p.tok[-1]) == p.job.n - 1:
+                p.job.release()
         for st in self.states:
             st.refresh_meta()
 
