@@ -31,7 +31,9 @@ Metrics per (context, rate, method), all from one run of this script:
   in use (SGLang's ``/v1/loads`` ``num_used_tokens``, sampled every 0.5 s) and their size.
 - ``rho`` = reused / shared tokens summed over all requests (``meta_info.kvshare.reused_tokens``,
   which also counts ordinary prefix-cache hits in the agent's own namespace, e.g. an agent's
-  second round; and the tokens of segments with ``shared: true``); ``rho_injected`` counts only
+  second round; and the tokens of segments with ``shared: true``; a segment under selective
+  recomputation adds its source-covered tokens times the fraction of their token-layers that were
+  reused); ``rho_injected`` counts only
   injected (cross-agent) tokens; ``rho_later`` is ``rho`` over turns after the first.
 - ``ratios``: each method's value / nonshared's value at the same point (nonshared must be among
   ``--methods``); figures show the absolute numbers with the ratio panel beneath.
@@ -345,11 +347,17 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             break
         meta, kv = res["meta"], kvshare_of(res["meta"])
         shared_tok = sum(s["tokens"] for s in kv.get("segments", []) if s.get("shared"))
+        # selective recomputation: a recomputed segment's tokens were computed in some layers;
+        # count the reused fraction of their token-layers
+        recomputed_reuse = sum(
+            s["source_tokens"] * (1 - s["recomputed_token_layers"] / s["token_layers"])
+            for s in kv.get("segments", []) if s.get("mode") == "recomputed" and s.get("token_layers")
+        )
         rec.update(
             ttft_s=res["ttft_s"], e2e_s=res["e2e_s"], end=time.perf_counter(),
             prompt_tokens=kv.get("prompt_tokens", meta.get("prompt_tokens")),
             completion_tokens=meta.get("completion_tokens"),
-            computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0),
+            computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0) + recomputed_reuse,
             injected_tokens=kv.get("injected_tokens", 0),
             shared_tokens=shared_tok, has_kvshare=bool(kv),
         )
