@@ -189,7 +189,7 @@ class RecomputeJob:
         self.k = self.v = self.hidden = None
 
 
-def start_job(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec, ratio: float):
+def start_job(scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio: float):
     """A job for the first ``n`` tokens of ``span`` from source ``rec``; (job, reason) with
     job None when the segment must be computed densely (reason says why)."""
     from sglang.srt.models.llama import LlamaDecoderLayer
@@ -254,8 +254,14 @@ def plan_segment(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSp
              "recomputed_token_layers": 0}
     st.recompute[index] = entry
     if ratio == 0.0:
-        return inject_segment(scheduler, req, span, rec, n, rope)
-    job, reason = (None, "dense") if ratio == 1.0 else start_job(scheduler, req, st, index, span, rec, n, rope, ratio)
+        injected = inject_segment(scheduler, req, span, rec, n, rope)
+        if injected is not None:
+            return injected
+        job, reason = None, "injection_failed"  # source gone or no KV slots
+    elif ratio == 1.0:
+        job, reason = None, "dense"
+    else:
+        job, reason = start_job(scheduler, req, st, span, rec, n, rope, ratio)
     if job is None:
         entry["recomputed_token_layers"] = n * num_layers
         st.modes[index] = "recomputed" if reason == "dense" else "computed"

@@ -25,7 +25,8 @@ class ReqShareState:
     spec: WireSpec
     method: MethodSpec
     prompt_len: int
-    # per span index: "computed" | "cached" | "injected"; injected token counts
+    # per span index: "computed" | "cached" | "injected" | "corrected" | "dense_fallback" |
+    # "recomputed"; injected token counts
     modes: dict[int, str] = field(default_factory=dict)
     injected: dict[int, int] = field(default_factory=dict)
     sources: dict[int, str] = field(default_factory=dict)
