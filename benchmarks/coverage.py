@@ -108,7 +108,7 @@ class AttentionReader:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, torch_dtype=torch.float32, attn_implementation="eager"
         ).eval()
-        self._cache: Dict[str, Any] = {}
+        self._last: tuple = (None, None)  # (key, result): pairs of one turn come in a row
 
     def prompt(self, run: Dict[str, Any], turn: Dict[str, Any]):
         """The turn's prompt ids and spans, tokenised as the server does (exact output ids for
@@ -134,7 +134,7 @@ class AttentionReader:
         """(prompt ids, float [prompt_len]): attention each position receives from the prompt's
         tokens after its last shared segment, mean over layers, heads and those queries."""
         key = f"{run['workflow']}/{turn['agent']}"
-        if key not in self._cache:
+        if self._last[0] != key:
             torch = self.torch
             prompt = self.prompt(run, turn)
             last = max(s.end for s in prompt.spans if s.slot is not None)
@@ -142,8 +142,8 @@ class AttentionReader:
             with torch.no_grad():
                 att = self.model(ids, output_attentions=True).attentions  # L x [1, H, T, T]
             mass = torch.stack([a[0, :, last:, :].mean(dim=(0, 1)) for a in att]).mean(0)
-            self._cache = {key: (prompt.input_ids, mass)}
-        return self._cache[key]
+            self._last = (key, (prompt.input_ids, mass))
+        return self._last[1]
 
 
 # ----------------------------------------------------------------------------- coverage
@@ -354,9 +354,7 @@ def main(argv=None) -> int:
 
     def save():
         results["config"]["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        tmp.replace(out)
+        fidelity.write_results(results, out)
 
     # part 1: fullshared turns and their dense shadows, dumps kept
     backend = fidelity.Backend(args, workdir, "coverage")

@@ -639,6 +639,13 @@ def parse_args(argv=None):
     return args
 
 
+def write_results(results: Dict[str, Any], out: Path) -> None:
+    """Write the results JSON atomically (a reader never sees half a file)."""
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.replace(out)
+
+
 def reaggregate(src: Path, out: Path) -> None:
     """Summaries, table and plots recomputed from the ``*_runs`` raw records of ``src``."""
     results = json.loads(src.read_text())
@@ -653,9 +660,7 @@ def reaggregate(src: Path, out: Path) -> None:
             plot_methods(results[section], out.with_suffix(".png"), lora=lora)
         else:
             plot_sweep(results[section], out.with_name(out.stem.replace("_tau", "") + "_tau.png"))
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1, default=str))
-    tmp.replace(out)
+    write_results(results, out)
 
 
 def main(argv=None) -> int:
@@ -686,9 +691,7 @@ def main(argv=None) -> int:
 
     def save():
         results["config"]["updated"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        tmp.replace(out)
+        write_results(results, out)
 
     print(f"fidelity: {len(tasks)} {args.dataset} tasks, results -> {out}, workdir {workdir}", flush=True)
     if not args.sweep_only and args.method_list:

@@ -143,6 +143,14 @@ def mean(xs: Iterable[Optional[float]]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
+def recomputed_reuse(seg: Dict[str, Any]) -> float:
+    """Reused tokens of a segment under selective recomputation: its source-covered tokens times
+    the fraction of their token-layers that were reused; 0 for any other segment."""
+    if seg.get("mode") != "recomputed" or not seg.get("token_layers"):
+        return 0.0
+    return seg["source_tokens"] * (1.0 - seg["recomputed_token_layers"] / seg["token_layers"])
+
+
 def reuse_counts(kvshare: Dict[str, Any]) -> Tuple[float, int]:
     """(reused shared tokens, shared tokens) of one request: shared tokens served by injected or
     corrected segments (their ``injected_tokens``), over all shared segments' tokens. A segment
@@ -155,8 +163,7 @@ def reuse_counts(kvshare: Dict[str, Any]) -> Tuple[float, int]:
             continue
         total += int(seg.get("tokens", 0))
         if seg.get("mode") == "recomputed":
-            if seg.get("token_layers"):
-                reused += seg["source_tokens"] * (1.0 - seg["recomputed_token_layers"] / seg["token_layers"])
+            reused += recomputed_reuse(seg)
         elif seg.get("mode") in REUSED_MODES:
             reused += int(seg.get("injected_tokens", seg.get("tokens", 0)))
     return reused, total

@@ -76,6 +76,7 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.fidelity import ADAPTERS
+from benchmarks.fidelity_metrics import recomputed_reuse
 from sglang_kvshare.workflows import (
     Role,
     build_payload,
@@ -347,17 +348,13 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             break
         meta, kv = res["meta"], kvshare_of(res["meta"])
         shared_tok = sum(s["tokens"] for s in kv.get("segments", []) if s.get("shared"))
-        # selective recomputation: a recomputed segment's tokens were computed in some layers;
-        # count the reused fraction of their token-layers
-        recomputed_reuse = sum(
-            s["source_tokens"] * (1 - s["recomputed_token_layers"] / s["token_layers"])
-            for s in kv.get("segments", []) if s.get("mode") == "recomputed" and s.get("token_layers")
-        )
+        # selective recomputation: count the reused fraction of a recomputed segment's token-layers
+        partly_reused = sum(recomputed_reuse(s) for s in kv.get("segments", []))
         rec.update(
             ttft_s=res["ttft_s"], e2e_s=res["e2e_s"], end=time.perf_counter(),
             prompt_tokens=kv.get("prompt_tokens", meta.get("prompt_tokens")),
             completion_tokens=meta.get("completion_tokens"),
-            computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0) + recomputed_reuse,
+            computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0) + partly_reused,
             injected_tokens=kv.get("injected_tokens", 0),
             shared_tokens=shared_tok, has_kvshare=bool(kv),
         )

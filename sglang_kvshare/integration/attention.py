@@ -54,12 +54,12 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         running = recompute_path.current()
         if running is not None:
-            plan, rows = running
+            plan, rows, parts = running
             plan.observe_queries(layer, q, rows)
             if rows is not None:
                 if self._lr_layer(layer) or layer.is_cross_attention:
                     raise RuntimeError("kvshare: selective recomputation runs without the LR cache")
-                return self._forward_rows(q, k, v, layer, forward_batch, save_kv_cache, rows, plan)
+                return self._forward_rows(q, k, v, layer, forward_batch, save_kv_cache, rows, parts, plan)
         if not self._lr_layer(layer):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
@@ -71,7 +71,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
                                 [1] * forward_batch.batch_size)
 
-    def _forward_rows(self, q, k, v, layer, forward_batch, save_kv_cache, rows, plan):
+    def _forward_rows(self, q, k, v, layer, forward_batch, save_kv_cache, rows, parts, plan):
         """Extend attention of a subset of the batch's rows (selective recomputation): each
         query attends, by position, to every slot of its request up to its own position. The
         other rows are not computed at this layer; their slots hold the reused K/V."""
@@ -84,10 +84,10 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         out = q.new_empty(q_.shape[0], heads, v_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        for i, (start, n, prefix) in enumerate(zip(plan.starts, plan.lens, plan.prefix)):
-            sel = torch.nonzero((rows >= start) & (rows < start + n)).flatten().to(q.device)
+        for i, (start, n, prefix, sel) in enumerate(zip(plan.starts, plan.lens, plan.prefix, parts)):
             if not len(sel):
                 continue
+            sel = sel.to(q.device)
             q_pos = prefix + dev_rows[sel] - start
             slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]

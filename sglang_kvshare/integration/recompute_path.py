@@ -130,15 +130,19 @@ def hidden_store() -> HiddenStore:
 # the DroidSpeak profile
 
 
+def profile_of(layer_deviation) -> DroidSpeakProfile:
+    """A profile whose mean layer deviation is ``layer_deviation``."""
+    dev = [float(x) for x in layer_deviation]
+    return DroidSpeakProfile.from_state_dict(
+        {"num_layers": len(dev), "relative": True, "sum": dev, "num_samples": 1}
+    )
+
+
 def load_profile(path: str, num_layers: int) -> DroidSpeakProfile:
     """A profile JSON written by ``benchmarks.coverage`` (``{"layer_deviation": [...]}``)."""
-    raw = json.loads(Path(path).read_text())
-    dev = [float(x) for x in raw["layer_deviation"]]
-    if len(dev) != num_layers:
-        raise ValueError(f"DroidSpeak profile {path} has {len(dev)} layers, the model has {num_layers}")
-    prof = DroidSpeakProfile(num_layers)
-    prof.sum = torch.tensor(dev, dtype=torch.float64)
-    prof.num_samples = 1
+    prof = profile_of(json.loads(Path(path).read_text())["layer_deviation"])
+    if prof.num_layers != num_layers:
+        raise ValueError(f"DroidSpeak profile {path} has {prof.num_layers} layers, the model has {num_layers}")
     return prof
 
 
@@ -150,13 +154,7 @@ def droidspeak_profile(path: str, num_layers: int) -> DroidSpeakProfile:
     (the groups then start at layer 0)."""
     key = (path, num_layers)
     if key not in _PROFILES:
-        if path:
-            _PROFILES[key] = load_profile(path, num_layers)
-        else:
-            prof = DroidSpeakProfile(num_layers)
-            prof.sum = torch.ones(num_layers, dtype=torch.float64)
-            prof.num_samples = 1
-            _PROFILES[key] = prof
+        _PROFILES[key] = load_profile(path, num_layers) if path else profile_of([1.0] * num_layers)
     return _PROFILES[key]
 
 
@@ -302,7 +300,9 @@ class Capture:
 
 _UNSET = object()
 _ATTR = "_kvshare_recompute"
-_CURRENT: list = [None]  # (BatchPlan, rows or None) while a decoder layer runs
+# (BatchPlan, active rows or None, per request the indices into rows of its rows or None)
+# while a decoder layer runs
+_CURRENT: list = [None]
 _RUNNER: list = [None]  # the model runner whose attention backend is kvshare_torch
 
 
@@ -312,7 +312,8 @@ def bind_runner(model_runner) -> None:
 
 
 def current():
-    """(plan, active rows or None) of the decoder layer now running, or None."""
+    """(plan, active rows or None, rows split by request or None) of the decoder layer now
+    running, or None."""
     return _CURRENT[0]
 
 
@@ -389,27 +390,27 @@ class BatchPlan:
 
     # -- selection ----------------------------------------------------------------------------
 
-    def select(self, p: Piece, fb, check_layer: int) -> None:
-        """Decide CacheBlend / RelayCaching rows from the check layer ``check_layer``."""
+    def select(self, p: Piece, fb) -> None:
+        """Decide CacheBlend / RelayCaching rows from the check layers' K/V: the reused ones of
+        the job and the ones the check pass just wrote into the rows' slots."""
         pool = _RUNNER[0].token_to_kv_pool
         loc = fb.out_cache_loc[p.rows].to(torch.int64)
         m = len(p.rows)
-        reused = (p.job.k[check_layer, p.tok].reshape(m, -1), p.job.v[check_layer, p.tok].reshape(m, -1))
-        fresh = (
-            pool.get_key_buffer(check_layer)[loc].reshape(m, -1).float(),
-            pool.get_value_buffer(check_layer)[loc].reshape(m, -1).float(),
+        check = range(CHECK_LAYERS)
+        reused = tuple(t[: CHECK_LAYERS, p.tok].reshape(CHECK_LAYERS, m, -1).float() for t in (p.job.k, p.job.v))
+        fresh = tuple(
+            torch.stack([buf(layer)[loc].reshape(m, -1).float() for layer in check])
+            for buf in (pool.get_key_buffer, pool.get_value_buffer)
         )
         num_layers = p.job.num_layers
         if p.job.selector == "cacheblend":
-            # only the last check layer is read
-            stack = lambda kv: tuple(t.float().unsqueeze(0).expand(CHECK_LAYERS, -1, -1) for t in kv)
             plan = get_selector("cacheblend", check_layers=CHECK_LAYERS).plan(
-                p.job.ratio,
-                SelectionInputs(num_layers, m, reused_kv=stack(reused), recomputed_kv=stack(fresh)),
+                p.job.ratio, SelectionInputs(num_layers, m, reused_kv=reused, recomputed_kv=fresh)
             )
         else:
-            dev = token_deviation(tuple(t.float() for t in reused), fresh)
-            att = self.attention_mass(p, fb, check_layer)
+            last = CHECK_LAYERS - 1
+            dev = token_deviation((reused[0][last], reused[1][last]), (fresh[0][last], fresh[1][last]))
+            att = self.suffix_attention(p, fb, last)
             plan = get_selector("relaycaching").plan(
                 p.job.ratio,
                 SelectionInputs(num_layers, m, token_deviation=dev, attention_mass=att),
@@ -417,7 +418,7 @@ class BatchPlan:
         p.exec = p.exec | plan.mask.to(p.exec.device)
         p.job.layer_groups = plan.layer_groups
 
-    def attention_mass(self, p: Piece, fb, layer: int) -> torch.Tensor:
+    def suffix_attention(self, p: Piece, fb, layer: int) -> torch.Tensor:
         """Attention the request's later tokens (queries at ``layer``) give each segment row; all
         ones when no later token is in this extend."""
         m = len(p.rows)
@@ -460,7 +461,7 @@ class BatchPlan:
         entries = []
         for p in self.pieces:
             if lid == CHECK_LAYERS and p.job.plan is None:
-                self.select(p, fb, CHECK_LAYERS - 1)
+                self.select(p, fb)
             run = p.exec[lid].cpu()
             active[p.rows[~run]] = False
             p.job.token_layers += int(run.sum())
@@ -484,13 +485,18 @@ class BatchPlan:
             self.finish()
         return out
 
+    def split(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Per request of the batch: the indices into ``rows`` of its rows (ascending)."""
+        return [torch.nonzero((rows >= s) & (rows < s + n)).flatten() for s, n in zip(self.starts, self.lens)]
+
     def call(self, original, layer, positions, hidden, fb, args, kwargs, rows):
+        parts = None if rows is None else self.split(rows)
         lora = getattr(layer.self_attn.qkv_proj, "lora_backend", None)
         saved = None
         if rows is not None and lora is not None and lora.batch_info is not None:
             saved = lora.batch_info
-            lora.batch_info = self.narrow_lora(saved, rows)
-        _CURRENT[0] = (self, rows)
+            lora.batch_info = self.narrow_lora(saved, parts, len(rows))
+        _CURRENT[0] = (self, rows, parts)
         try:
             return original(layer, positions, hidden, fb, *args, **kwargs)
         finally:
@@ -498,15 +504,12 @@ class BatchPlan:
             if saved is not None:
                 lora.batch_info = saved
 
-    def narrow_lora(self, info, rows: torch.Tensor):
+    def narrow_lora(self, info, parts: list[torch.Tensor], num_rows: int):
         """The LoRA batch info of the active rows only. A LoRA segment is a run of requests with
         the same adapter; each keeps its adapter and shrinks to its active rows."""
         if info.permutation is not None or getattr(info, "seg_indptr_cpu", None) is None:
             raise RuntimeError("kvshare: selective recomputation needs the torch_native LoRA backend")
-        per_req = torch.tensor(
-            [int(((rows >= s) & (rows < s + n)).sum()) for s, n in zip(self.starts, self.lens)],
-            dtype=torch.int32,
-        )
+        per_req = torch.tensor([len(part) for part in parts], dtype=torch.int32)
         seg_of_req = torch.searchsorted(info.seg_indptr_cpu[1:].to(torch.int64), torch.tensor(self.starts), right=True)
         counts = torch.zeros(info.num_segments, dtype=torch.int32).scatter_add_(0, seg_of_req, per_req)
         indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
@@ -514,7 +517,7 @@ class BatchPlan:
         dev = info.seg_lens.device
         return dataclasses.replace(
             info, seg_lens=counts.to(dev), seg_indptr=indptr.to(dev), max_len=int(counts.max()),
-            expected_tokens=len(rows), seg_lens_cpu=counts, seg_indptr_cpu=indptr,
+            expected_tokens=num_rows, seg_lens_cpu=counts, seg_indptr_cpu=indptr,
         )
 
     def finish(self) -> None:
