@@ -135,13 +135,38 @@ def make_roles(n_agents: int, kind: str = "prompt") -> tuple[List[Role], Role]:
     return task, final
 
 
-def make_context(tok, n_tokens: int, tag: str) -> str:
-    """Shared context of about ``n_tokens`` tokens (numbered facts), unique per ``tag``."""
-    from benchmarks.ttft_reuse import build_question
+_NOTES: List[str] = []
 
-    head = f"Case {tag}. "
-    n_head = len(tok.encode(head, add_special_tokens=False))
-    return head + build_question(tok, max(8, n_tokens - n_head))
+
+def _notes() -> List[str]:
+    """Real notes: every MMLU question (with options) and GSM8K problem of the packaged data."""
+    if not _NOTES:
+        from sglang_kvshare.workflows import load_tasks
+
+        _NOTES.extend(t.question.replace("Question: ", "", 1) for t in load_tasks("mmlu") + load_tasks("gsm8k"))
+    return _NOTES
+
+
+def make_context(tok, n_tokens: int, tag: str) -> str:
+    """A shared context of ``n_tokens`` tokens (as the server tokenises it, rarely one more), unique
+    per ``tag``: numbered notes drawn from the packaged MMLU and GSM8K items (seeded by ``tag``),
+    then a question about one of them."""
+    import random
+
+    notes = _notes()
+    rng = random.Random(f"context:{tag}")
+    head, tail = f"Case {tag}. Notes:\n", "\nQuestion: which note above is the hardest, and why?"
+    budget = n_tokens - len(tok.encode(head + tail, add_special_tokens=False))
+    parts, used = [], 0
+    while used < budget + 16:
+        note = f"{len(parts) + 1}. {notes[rng.randrange(len(notes))].strip()}\n"
+        parts.append(note)
+        used += len(tok.encode(note, add_special_tokens=False))
+    ids = tok.encode("".join(parts), add_special_tokens=False)
+    cut = max(1, budget)
+    while len(tok.encode(text := head + tok.decode(ids[:cut]) + tail, add_special_tokens=False)) < n_tokens:
+        cut += 1  # a token can merge across the seams: grow until the count is reached
+    return text
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,19 @@ class KVShareArgs:
         choices=method_names,
     )
     tau: float = _flag(0.3, "entropy gate threshold of the correction methods (higher: more reuse)")
+    target_rho: float = _flag(
+        0.8,
+        "hold this reuse ratio (0-1] of the gated shared tokens by tuning tau online (the "
+        "token-weighted quantile of recent gate entropies; the paper's LLM operating point is "
+        "0.8); -1: a fixed --kvshare-tau",
+    )
+    shadow_fraction: float = _flag(
+        0.0,
+        "shadow-dense monitor: compute this fraction of accepted corrections densely as well, "
+        "measure the corrected cache's relative KV error, export it, and lower tau when it "
+        "exceeds --kvshare-max-error",
+    )
+    max_error: float = _flag(0.05, "relative KV error above which a shadowed correction lowers tau")
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
@@ -38,7 +51,27 @@ class KVShareArgs:
         "DroidSpeak's offline layer-deviation profile (JSON written by benchmarks.coverage); "
         "empty: every layer weighs the same",
     )
-    anchor_budget_mb: float = _flag(256.0, "byte budget of all anchor pools together, in MiB")
+    anchor_budget_mb: float = _flag(
+        -1.0,
+        "byte budget of all anchor pools together, in MiB; -1: --kvshare-anchor-mem-fraction of "
+        "the memory free when the first anchor is stored (as SGLang sizes its KV pool)",
+    )
+    anchor_mem_fraction: float = _flag(0.1, "fraction of free memory for the anchor budget when it is -1")
+    anchor_dtype: str = _flag(
+        "float16", "storage dtype of the low-rank anchor factors", choices=lambda: ["float16", "bfloat16", "float32"]
+    )
+    observe: str = _flag(
+        "background",
+        "where a dense fallback's anchor is factorised: a one-thread child process beside the "
+        "scheduler (background) or inside the scheduler step (inline)",
+        choices=lambda: ["background", "inline"],
+    )
+    anchor_pool: str = _flag(
+        "",
+        "warm start: load the anchor pools from this file at startup (if it exists) and save them "
+        "at shutdown and every --kvshare-anchor-pool-interval seconds",
+    )
+    anchor_pool_interval: float = _flag(300.0, "seconds between periodic saves of --kvshare-anchor-pool")
     dump_dir: str = _flag(
         "",
         "evaluation mode: write the K/V of every shared segment of each finished annotated "
@@ -52,6 +85,22 @@ class KVShareArgs:
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"
     )
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("tau", 0.0 <= self.tau <= 1.0, "in [0, 1]"),
+            ("target_rho", self.target_rho == -1.0 or 0.0 < self.target_rho <= 1.0, "in (0, 1] or -1"),
+            ("shadow_fraction", 0.0 <= self.shadow_fraction <= 1.0, "in [0, 1]"),
+            ("max_error", self.max_error > 0.0, "> 0"),
+            ("anchor_budget_mb", self.anchor_budget_mb == -1.0 or self.anchor_budget_mb >= 0.0, ">= 0 or -1"),
+            ("anchor_mem_fraction", 0.0 < self.anchor_mem_fraction < 1.0, "in (0, 1)"),
+            ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
+            ("rank", self.rank >= 1, ">= 1"),
+            ("num_anchors", self.num_anchors >= 1, ">= 1"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"--kvshare-{name.replace('_', '-')} must be {what}, got {getattr(self, name)}")
 
     def to_env(self) -> str:
         return json.dumps(dataclasses.asdict(self))

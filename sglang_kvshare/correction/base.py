@@ -7,19 +7,24 @@ starts at position 0 (the integration layer moves them to and from real position
 Call sequence for one shared segment (slot) on the workflow edge source_agent -> target_agent:
 1. ``correct(...)``: if ``accepted``, ``result.kv`` is the target agent's cache of the segment
    (the source cache for the next edge when ``chained``). Accepted results are never stored.
+   With ``materialize=False`` only ``result.delta`` is returned (the caller adds it to the base
+   itself, e.g. in a fused kernel); rows beyond ``corrected_len`` are then the source's.
 2. Otherwise the caller prefills the segment densely for the target agent and calls
    ``observe(...)`` with that exact cache, which may update the method's correction state.
+   ``observe`` is ``record(prepare(...))``: ``prepare`` is pure (reads the caches and the
+   configuration only; it may run on another thread), ``record`` mutates the state.
 ``needs_reference``: the caller must also supply a context-free reference cache of the segment
 (the segment prefilled with no preceding context), a prefill the caller has to count.
 
-Correctors are not thread-safe: the caller serialises calls (one pool per process).
+Correctors are not thread-safe: the caller serialises ``correct``, ``record`` and the queries
+(one pool per process); ``prepare`` may run concurrently with them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -59,6 +64,15 @@ class SegmentKV:
 
 
 @dataclass(frozen=True)
+class KVDelta:
+    """An estimated correction of a segment's first rows: k, v [n_layers, rows, D] float32,
+    canonical coordinates, to be added to the base cache those rows came from."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
 class CorrectionResult:
     """Outcome of ``Corrector.correct``.
 
@@ -69,6 +83,8 @@ class CorrectionResult:
     num_anchors: anchors that took part in the gate (0 when none did).
     corrected_len: leading rows to which a correction was applied.
     reason: a short machine-readable word: "accepted", "few_anchors", "entropy", "no_relation", ...
+    delta: when accepted, the correction of rows ``:corrected_len`` relative to the base cache
+        (the source when ``chained``, else the reference).
     """
 
     accepted: bool
@@ -77,6 +93,7 @@ class CorrectionResult:
     num_anchors: int
     corrected_len: int
     reason: str
+    delta: Optional[KVDelta] = None
 
     @staticmethod
     def reject(reason: str, entropy: Optional[float] = None, num_anchors: int = 0) -> "CorrectionResult":
@@ -103,15 +120,39 @@ class Corrector(ABC):
         target_agent: str,
         source: SegmentKV,
         reference: Optional[SegmentKV] = None,
+        materialize: bool = True,
+        tau: Optional[float] = None,
     ) -> CorrectionResult:
         """Estimate the target agent's cache of segment ``slot``.
 
-        source: the source agent's cache of the segment (materialised, possibly itself corrected).
+        source: the source agent's cache of the segment (materialised, possibly itself corrected;
+            rows no correction covers are copied from it).
         reference: the context-free reference cache; required iff ``needs_reference``.
+        materialize: also build ``result.kv`` (else only ``result.delta``).
+        tau: the gate threshold for this call (None: the method's configured one).
         Does not mutate the inputs; may update usage counters of the method's state.
         """
 
     @abstractmethod
+    def prepare(
+        self,
+        slot: str,
+        source_agent: str,
+        target_agent: str,
+        source: SegmentKV,
+        target: SegmentKV,
+        reference: Optional[SegmentKV] = None,
+    ) -> Any:
+        """The expensive, pure half of ``observe`` (factorisations); its result goes to ``record``.
+
+        ``target`` is the target agent's exact cache of the segment after a dense fallback;
+        source and target (and reference) have equal length. Copies what it keeps.
+        """
+
+    @abstractmethod
+    def record(self, prepared: Any) -> Any:
+        """Add a ``prepare`` result to the method's state."""
+
     def observe(
         self,
         slot: str,
@@ -121,10 +162,8 @@ class Corrector(ABC):
         target: SegmentKV,
         reference: Optional[SegmentKV] = None,
     ) -> None:
-        """Record a dense fallback: ``target`` is the target agent's exact cache of the segment.
-
-        source and target (and reference) have equal length. Copies what it keeps.
-        """
+        """Record a dense fallback: ``record(prepare(...))``."""
+        self.record(self.prepare(slot, source_agent, target_agent, source, target, reference))
 
     @abstractmethod
     def nbytes(self) -> int:
@@ -133,6 +172,15 @@ class Corrector(ABC):
     @abstractmethod
     def stats(self) -> dict:
         """Counters for metrics and tests (plain Python values)."""
+
+
+def apply_delta(base: SegmentKV, source: SegmentKV, delta: KVDelta, num_rows: int) -> SegmentKV:
+    """The corrected cache: ``base + delta`` on rows ``:num_rows``, ``source`` beyond them (rows
+    no correction covers keep the source agent's aligned cache). A new SegmentKV in source's dtype."""
+    out_k, out_v = source.k.clone(), source.v.clone()
+    out_k[:, :num_rows] = (base.k[:, :num_rows].float() + delta.k[:, :num_rows]).to(out_k.dtype)
+    out_v[:, :num_rows] = (base.v[:, :num_rows].float() + delta.v[:, :num_rows]).to(out_v.dtype)
+    return SegmentKV(out_k, out_v)
 
 
 def check_pair(a: SegmentKV, b: SegmentKV, what: str) -> None:

@@ -11,6 +11,20 @@ from typing import Tuple
 import torch
 
 
+def relative_distances(distances: torch.Tensor) -> torch.Tensor:
+    """d_v / min_u d_u: scale-free gate distances (1 for the nearest anchor).
+
+    Eq. 9's raw distances grow with sqrt(segment rows x layers x D), so softmax(-d / T) is one-hot
+    on any segment of realistic length and the entropy gate accepts every correction. Relative to
+    the nearest anchor they measure how distinct that anchor is (an anchor 10 % farther than the
+    nearest one gets d = 1.1), whatever the segment's length and the model's value scale.
+    A zero distance (an exact match) counts as 1e-12 of the largest one.
+    """
+    d = distances.double()
+    floor = torch.clamp(d.max() * 1e-12, min=torch.finfo(torch.float64).tiny)
+    return d / torch.clamp(d.min(), min=floor)
+
+
 def gate_weights(distances: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """g_v = softmax(-d_v / T) over anchors (eq. 10). distances: [N] -> [N] float64."""
     return torch.softmax(-distances.double() / temperature, dim=0)

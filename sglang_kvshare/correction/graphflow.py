@@ -6,7 +6,9 @@ one placeholder of the workflow template (e.g. ``user_question``, ``agent_2_curr
 content changes per request while its position in the workflow recurs.
 The first dense fallback on a relation stores Delta_{j<-ref} = C_j - C_ref (full, or low-rank when
 ``rank`` is set); later segments of that relation get C_ref + Delta on the covered prefix
-min(S, stored length), reference rows beyond it. Later observations do not update it.
+min(S, stored length) and the source agent's aligned cache beyond it (as KVCMAS treats rows no
+anchor covers: the context-free reference uncorrected is far worse than the source). Later
+observations do not update it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 
-from sglang_kvshare.correction.base import CorrectionResult, Corrector, SegmentKV, check_pair
+from sglang_kvshare.correction.base import CorrectionResult, Corrector, KVDelta, apply_delta, check_pair
 from sglang_kvshare.lowrank import Factor, factorize
 
 
@@ -41,7 +43,9 @@ class GraphFlowCorrector(Corrector):
         self._relations: Dict[Tuple[str, str, str], Tuple[Factor, Factor]] = {}
         self._counts: Counter = Counter()
 
-    def correct(self, slot, source_agent, target_agent, source, reference=None) -> CorrectionResult:
+    def correct(
+        self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None
+    ) -> CorrectionResult:
         if reference is None:
             raise ValueError("graphflow needs the context-free reference cache")
         self._counts["num_correct"] += 1
@@ -51,25 +55,26 @@ class GraphFlowCorrector(Corrector):
             return CorrectionResult.reject("no_relation")
         dk, dv = rel
         m = min(reference.seq_len, dk.rows)
-        out_k, out_v = reference.k.clone(), reference.v.clone()
-        out_k[:, :m] = (reference.k[:, :m].float() + dk.reconstruct(m)).to(out_k.dtype)
-        out_v[:, :m] = (reference.v[:, :m].float() + dv.reconstruct(m)).to(out_v.dtype)
+        delta = KVDelta(dk.reconstruct(m), dv.reconstruct(m))
+        kv = apply_delta(reference, source, delta, m) if materialize else None
         self._counts["num_accepted"] += 1
-        return CorrectionResult(True, SegmentKV(out_k, out_v), None, 0, m, "accepted")
+        return CorrectionResult(True, kv, None, 0, m, "accepted", delta=delta)
 
-    def observe(self, slot, source_agent, target_agent, source, target, reference=None) -> None:
+    def prepare(self, slot, source_agent, target_agent, source, target, reference=None):
         if reference is None:
             raise ValueError("graphflow needs the context-free reference cache")
         check_pair(reference, target, "graphflow.observe")
-        key = (slot, source_agent, target_agent)
-        if key in self._relations:
-            return
         dtype = self.config.factor_dtype or reference.k.dtype
-        self._relations[key] = (
+        return (slot, source_agent, target_agent), (
             factorize(target.k.float() - reference.k.float(), self.config.rank, dtype),
             factorize(target.v.float() - reference.v.float(), self.config.rank, dtype),
         )
-        self._counts["num_inserted"] += 1
+
+    def record(self, prepared) -> None:
+        key, factors = prepared
+        if key not in self._relations:
+            self._relations[key] = factors
+            self._counts["num_inserted"] += 1
 
     def nbytes(self) -> int:
         return sum(dk.nbytes + dv.nbytes for dk, dv in self._relations.values())

@@ -31,6 +31,8 @@ class KVCMASPlusConfig(AnchorPoolConfig):
     rank_delta: Optional[int] = 96
     energy: Optional[float] = 0.95
     edge_mix: float = 0.5
+    gate_scale: str = "relative"  # as KVCMAS (see correction.kvcmas)
+    gate_temperature: Optional[float] = 0.02
 
 
 @dataclass
@@ -78,10 +80,11 @@ class KVCMASPlusCorrector(AnchorPoolCorrector):
         rank = int(ranks.max()) if isinstance(ranks, torch.Tensor) else ranks
         return truncated_svd(Z, max(1, min(cap, rank)), dtype)
 
-    def _record(self, slot, source_agent, target_agent, base, delta_k, delta_v) -> None:
-        super()._record(slot, source_agent, target_agent, base, delta_k, delta_v)
-        edge = (slot, source_agent, target_agent)
-        dtype = self.config.factor_dtype or base.k.dtype
+    def record(self, obs):
+        delta_k, delta_v = obs.raw_delta
+        anchor = super().record(obs)
+        edge = obs.edge
+        dtype = obs.dtype
         n_layers, L, D = delta_k.shape
         old = self._edge_means.get(edge)
         rows = L if old is None else max(L, old.k.rows)
@@ -101,13 +104,14 @@ class KVCMASPlusCorrector(AnchorPoolCorrector):
         self._edge_means[edge] = EdgeMean(
             self._factorize(means[0], "delta", dtype), self._factorize(means[1], "delta", dtype), counts
         )
+        return anchor
 
-    def _combine(self, mix, edge, layer, which, k) -> torch.Tensor:
+    def _combine(self, mix, edge, layers, which, k) -> torch.Tensor:
         mean = self._edge_means.get(edge) if edge is not None else None
         lam = self.config.edge_mix
         if mean is None or lam == 0.0:
             return mix
         n = min(k, mean.k.rows)
         out = mix.clone()
-        out[:n] = (1.0 - lam) * mix[:n] + lam * (mean.k, mean.v)[which][layer].reconstruct(n)
+        out[:, :n] = (1.0 - lam) * mix[:, :n] + lam * (mean.k, mean.v)[which][layers].reconstruct(n)
         return out

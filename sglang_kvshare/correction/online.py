@@ -7,14 +7,23 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
    pool of capacity 1, which bypasses the gate and uses its sole anchor (appendix C.3).
 3. Comparison prefix k = min(S, second-longest compatible anchor length): the longest prefix
    covered by at least two compatible anchors; A_k = compatible anchors of length >= k.
+   ``full_coverage`` (KVComm) instead needs two anchors covering all S rows.
 4. Gate (eq. 9-11): d_v = sqrt(sum_l ||V[l, :k] - V~_v[l, :k]||_F^2) on VALUE states,
-   g = softmax(-d / T), accept iff normalised entropy (log2) <= tau.
+   g = softmax(-d / T), accept iff normalised entropy (log2) <= tau. ``gate_scale`` "relative"
+   divides every d_v by the smallest one first (see ``gate.relative_distances``).
 5. Correction (eq. 8): per layer and token t, w_v[t] = softmax_v(-mean_D |X[t] - X~_v[t]|)
-   separately for keys and values, X^[t] = X[t] + sum_v w_v[t] Delta_v[t] for t < k; rows k:
-   are copied from the base. Layers in ``skip_layers`` are copied uncorrected. Every member of
-   A_k of an accepted correction counts one use (the eviction frequency).
+   separately for keys and values, X^[t] = X[t] + sum_v w_v[t] Delta_v[t] for t < k. Rows k: are
+   the source agent's aligned cache (the caller's ``source``; for chained methods the base
+   itself). Layers in ``skip_layers`` are copied uncorrected. Every member of A_k of an accepted
+   correction counts one use (the eviction frequency).
 6. ``observe`` after a dense fallback: Delta = target - base (eq. 12) joins the anchor of the
    same base instance if one exists (fan-out), else a new anchor (base + delta) is inserted.
+   ``observe`` = ``record(prepare(...))``: ``prepare`` does the factorisation (the expensive,
+   pure part) and may run on another thread; ``record`` only changes the pools.
+
+Steps 4 and 5 run batched over all members and a block of layers at a time
+(``lowrank.FactorBatch``): the value states are reconstructed once, for both the gate and the
+value weights.
 """
 
 from __future__ import annotations
@@ -25,13 +34,23 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from sglang_kvshare.correction.base import CorrectionResult, Corrector, SegmentKV, check_pair
+from sglang_kvshare.correction.base import (
+    CorrectionResult,
+    Corrector,
+    KVDelta,
+    SegmentKV,
+    apply_delta,
+    check_pair,
+)
 from sglang_kvshare.correction.gate import gate, token_weights
 from sglang_kvshare.correction.pool import Anchor, AnchorPool, fingerprint
-from sglang_kvshare.lowrank import Factor, factorize
+from sglang_kvshare.lowrank import Factor, FactorBatch, factorize
 
 
 Edge = Tuple[str, str, str]  # (slot, source agent, target agent)
+
+# elements of one batched [N, layers, k, D] block (float32): bounds the transient memory
+_BLOCK_ELEMS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -42,7 +61,10 @@ class AnchorPoolConfig:
     softmaxes. rank_base / rank_delta: r_C / r_Delta of the truncated SVD, None = stored full.
     num_oldest: eviction candidates (LFU among the oldest). skip_layers: layers never corrected.
     factor_dtype: storage dtype of factors (None: the cache dtype). max_bytes_per_slot: optional
-    byte budget of one slot's pool.
+    byte budget of one slot's pool. full_coverage: correct only segments that two anchors cover
+    entirely (KVComm), else the covered prefix (KVCMAS). gate_scale: "absolute" (eq. 9 as
+    written) or "relative" (distances over the smallest one, see ``gate.relative_distances``).
+    gate_temperature: T of the gate softmax (eq. 10; None: ``temperature``).
     """
 
     num_anchors: int = 10
@@ -54,6 +76,27 @@ class AnchorPoolConfig:
     skip_layers: Tuple[int, ...] = ()
     factor_dtype: Optional[torch.dtype] = None
     max_bytes_per_slot: Optional[int] = None
+    full_coverage: bool = False
+    gate_scale: str = "absolute"
+    gate_temperature: Optional[float] = None
+
+
+@dataclass
+class Observation:
+    """A dense fallback, factorised by ``prepare`` and waiting for ``record``.
+
+    base / delta: (keys, values) factors [n_layers, L, D], stored in ``dtype``; raw_delta: the float32 delta (k, v)
+    for correctors that keep more than factors (None once recorded)."""
+
+    slot: str
+    owner: Optional[str]
+    target_agent: str
+    edge: Edge
+    key: tuple
+    base: Tuple[Factor, Factor]
+    delta: Tuple[Factor, Factor]
+    dtype: torch.dtype
+    raw_delta: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
 class AnchorPoolCorrector(Corrector):
@@ -66,6 +109,8 @@ class AnchorPoolCorrector(Corrector):
 
     def __init__(self, config: Optional[AnchorPoolConfig] = None, **overrides) -> None:
         self.config = replace(config or self.default_config, **overrides)
+        if self.config.gate_scale not in ("absolute", "relative"):
+            raise ValueError(f"gate_scale must be 'absolute' or 'relative', got {self.config.gate_scale!r}")
         self._pools: Dict[str, AnchorPool] = {}
         self._counts: Counter = Counter()
 
@@ -74,21 +119,28 @@ class AnchorPoolCorrector(Corrector):
         """The slot's pool (read-only use), or None before its first observation."""
         return self._pools.get(slot)
 
+    def pools(self) -> Dict[str, AnchorPool]:
+        """slot -> pool (read-only use)."""
+        return self._pools
+
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self._pools.values())
 
+    def anchors(self) -> List[Tuple[str, Anchor]]:
+        """(slot, anchor) of every stored anchor."""
+        return [(slot, a) for slot, p in self._pools.items() for a in p.anchors]
+
+    def remove(self, slot: str, anchor: Anchor) -> None:
+        """Drop one anchor (budget eviction by the owner of the process-wide budget)."""
+        self._pools[slot].anchors.remove(anchor)
+        self._counts["num_evicted"] += 1
+
     def shrink_to(self, max_bytes: int) -> int:
-        """Evict anchors (LFU among the oldest, from the largest pool first) until the state
-        fits ``max_bytes``; returns how many were evicted."""
-        evicted = 0
-        while self.nbytes() > max_bytes:
-            pools = [p for p in self._pools.values() if len(p)]
-            if not pools:
-                break
-            max(pools, key=lambda p: p.nbytes).evict()
-            evicted += 1
-        self._counts["num_evicted"] += evicted
-        return evicted
+        """Evict anchors, LFU among the oldest of all pools, until the state fits ``max_bytes``;
+        returns how many were evicted."""
+        from sglang_kvshare.correction.pool import evict_lfu_oldest
+
+        return evict_lfu_oldest([self], max_bytes, self.config.num_oldest)
 
     def stats(self) -> dict:
         out = dict(self._counts)
@@ -108,69 +160,94 @@ class AnchorPoolCorrector(Corrector):
             raise ValueError(f"{self.name} needs the context-free reference cache")
         return reference
 
-    def correct(self, slot, source_agent, target_agent, source, reference=None) -> CorrectionResult:
+    def correct(
+        self, slot, source_agent, target_agent, source, reference=None, materialize: bool = True,
+        tau: Optional[float] = None,
+    ) -> CorrectionResult:
         base = self._base(source, reference)
         self._counts["num_correct"] += 1
-        result = self._correct(slot, target_agent, base, (slot, source_agent, target_agent))
+        tau = self.config.tau if tau is None else tau
+        result = self._correct(slot, target_agent, base, source, (slot, source_agent, target_agent), materialize, tau)
         self._counts["num_accepted" if result.accepted else f"rejected_{result.reason}"] += 1
         return result
 
-    def _correct(self, slot: str, target_agent: str, base: SegmentKV, edge: Edge) -> CorrectionResult:
+    def members(self, slot: str, target_agent: str, seq_len: int) -> Tuple[List[Anchor], int, str]:
+        """(A_k, k, reason): the anchors that take part for a segment of ``seq_len`` rows; reason
+        is "" when they may be gated, else the rejection word."""
         pool = self._pools.get(slot)
         compatible = pool.compatible(target_agent) if pool is not None else []
-        S = base.seq_len
-        if S == 0:
-            return CorrectionResult.reject("empty")
-        entropy = None
+        if seq_len == 0:
+            return [], 0, "empty"
         if len(compatible) == 1 and self.config.num_anchors == 1:
-            members = compatible
-            k = min(S, compatible[0].seq_len)
-        elif len(compatible) < 2:
-            return CorrectionResult.reject("few_anchors", num_anchors=len(compatible))
-        else:
-            lengths = sorted((a.seq_len for a in compatible), reverse=True)
-            k = min(S, lengths[1])
-            members = [a for a in compatible if a.seq_len >= k]
-            _, entropy = gate(self.gate_distances(base, members, k), self.config.temperature)
-            if entropy > self.config.tau:
+            k = min(seq_len, compatible[0].seq_len)
+            return compatible, k, "" if not self.config.full_coverage or k == seq_len else "coverage"
+        if len(compatible) < 2:
+            return compatible, 0, "few_anchors"
+        lengths = sorted((a.seq_len for a in compatible), reverse=True)
+        k = min(seq_len, lengths[1])
+        if self.config.full_coverage and k < seq_len:
+            return [a for a in compatible if a.seq_len >= seq_len], 0, "coverage"
+        return [a for a in compatible if a.seq_len >= k], k, ""
+
+    def _correct(
+        self, slot: str, target_agent: str, base: SegmentKV, source: SegmentKV, edge: Edge, materialize: bool,
+        tau: float,
+    ) -> CorrectionResult:
+        members, k, reason = self.members(slot, target_agent, base.seq_len)
+        if reason:
+            return CorrectionResult.reject(reason, num_anchors=len(members))
+        sq, dist_v = self._value_distances(base, members, k)
+        entropy = None
+        if len(members) >= 2:
+            T = self.config.gate_temperature or self.config.temperature
+            _, entropy = gate(self._gate_scaled(sq.sqrt()), T)
+            if entropy > tau:
                 return CorrectionResult.reject("entropy", entropy, len(members))
-        kv = self.apply(base, members, target_agent, k, edge)
+        delta = self._delta(base, members, target_agent, k, dist_v, edge)
         for a in members:
             a.use_count += 1
-        return CorrectionResult(True, kv, entropy, len(members), k, "accepted")
+        kv = apply_delta(base, source, delta, k) if materialize else None
+        return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta)
 
-    def observe(self, slot, source_agent, target_agent, source, target, reference=None) -> None:
+    def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:
         base = self._base(source, reference)
         check_pair(base, target, f"{self.name}.observe")
+        dtype = self.config.factor_dtype or base.k.dtype
         delta_k = target.k.float() - base.k.float()  # [n_layers, L, D]
         delta_v = target.v.float() - base.v.float()
-        self._record(slot, source_agent, target_agent, base, delta_k, delta_v)
+        return Observation(
+            slot=slot,
+            owner=source_agent if self.chained else None,
+            target_agent=target_agent,
+            edge=(slot, source_agent, target_agent),
+            key=fingerprint(base),
+            base=(self._factorize(base.k, "base", dtype), self._factorize(base.v, "base", dtype)),
+            delta=(self._factorize(delta_k, "delta", dtype), self._factorize(delta_v, "delta", dtype)),
+            dtype=dtype,
+            raw_delta=(delta_k, delta_v),
+        )
 
-    def _record(self, slot, source_agent, target_agent, base, delta_k, delta_v) -> None:
-        """Store an observed delta (eq. 12) in the slot's pool."""
+    def record(self, obs: Observation) -> Anchor:
+        """Store an observed delta (eq. 12) in the slot's pool; returns the anchor that holds it
+        (new, or the existing anchor of the same base instance)."""
         cfg = self.config
-        dtype = cfg.factor_dtype or base.k.dtype
-        delta = (self._factorize(delta_k, "delta", dtype), self._factorize(delta_v, "delta", dtype))
-        pool = self._pools.get(slot)
+        pool = self._pools.get(obs.slot)
         if pool is None:
             pool = AnchorPool(cfg.num_anchors, cfg.num_oldest, cfg.max_bytes_per_slot)
-            self._pools[slot] = pool
-        owner = source_agent if self.chained else None
-        key = fingerprint(base)
-        anchor = pool.find(key, owner)
+            self._pools[obs.slot] = pool
+        obs.raw_delta = None
+        anchor = pool.find(obs.key, obs.owner)
         if anchor is not None:
-            anchor.deltas[target_agent] = delta
+            anchor.deltas[obs.target_agent] = obs.delta
             self._counts["num_merged"] += 1
-            return
+            return anchor
         anchor = Anchor(
-            base_k=self._factorize(base.k, "base", dtype),
-            base_v=self._factorize(base.v, "base", dtype),
-            deltas={target_agent: delta},
-            source_agent=owner,
-            key=key,
+            base_k=obs.base[0], base_v=obs.base[1], deltas={obs.target_agent: obs.delta},
+            source_agent=obs.owner, key=obs.key,
         )
         self._counts["num_inserted"] += 1
         self._counts["num_evicted"] += len(pool.insert(anchor))
+        return anchor
 
     def _factorize(self, Z: torch.Tensor, kind: str, dtype: torch.dtype) -> Factor:
         """Storage form of a base ("base") or delta ("delta") stack [n_layers, L, D]."""
@@ -178,40 +255,65 @@ class AnchorPoolCorrector(Corrector):
         return factorize(Z, rank, dtype)
 
     # ---- the math (public for tests and benchmarks) --------------------------------------
+    def _blocks(self, num_layers: int, n: int, k: int, d: int):
+        step = max(1, _BLOCK_ELEMS // max(1, n * k * d))
+        for lo in range(0, num_layers, step):
+            yield slice(lo, min(lo + step, num_layers))
+
+    def _value_distances(self, base: SegmentKV, members: List[Anchor], k: int):
+        """(sq [N] float32: eq. 9 squared, dist [N, n_layers, k]: mean_D |V - V~_v|), one
+        reconstruction of the members' value states."""
+        bases = FactorBatch([a.base_v for a in members], k)
+        sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
+        dist = torch.empty(len(members), base.num_layers, k, dtype=torch.float32, device=base.v.device)
+        for layers in self._blocks(base.num_layers, len(members), k, base.dim):
+            diff = base.v[layers, :k].float()[None] - bases.reconstruct(layers)  # [N, c, k, D]
+            sq += diff.square().sum((1, 2, 3))
+            dist[:, layers] = diff.abs().mean(-1)
+        return sq, dist
+
+    def _gate_scaled(self, d: torch.Tensor) -> torch.Tensor:
+        if self.config.gate_scale == "relative":
+            from sglang_kvshare.correction.gate import relative_distances
+
+            return relative_distances(d)
+        return d
+
     def gate_distances(self, base: SegmentKV, members: List[Anchor], k: int) -> torch.Tensor:
         """Eq. 9: [N] float32 Frobenius distance over all layers of the first k value rows."""
-        sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
-        for layer in range(base.num_layers):
-            v = base.v[layer, :k].float()  # [k, D]
-            for i, a in enumerate(members):
-                sq[i] += (v - a.base_v[layer].reconstruct(k)).square().sum()
-        return sq.sqrt()
+        return self._value_distances(base, members, k)[0].sqrt()
 
     def apply(
         self, base: SegmentKV, members: List[Anchor], target_agent: str, k: int, edge: Optional[Edge] = None
     ) -> SegmentKV:
         """Corrected copy of ``base``: rows :k get the token-weighted anchor deltas (eq. 8)."""
-        out_k, out_v = base.k.clone(), base.v.clone()
+        _, dist_v = self._value_distances(base, members, k)
+        return apply_delta(base, base, self._delta(base, members, target_agent, k, dist_v, edge), k)
+
+    def _delta(
+        self, base: SegmentKV, members: List[Anchor], target_agent: str, k: int, dist_v: torch.Tensor,
+        edge: Optional[Edge],
+    ) -> KVDelta:
+        """The estimated correction of rows :k (eq. 8), [n_layers, k, D] per keys and values."""
         T = self.config.temperature
-        for layer in range(base.num_layers):
-            if layer in self.config.skip_layers:
-                continue
-            for which, (x, out) in enumerate(((base.k, out_k), (base.v, out_v))):
-                src = x[layer, :k].float()  # [k, D]
-                bases = [a.base_k if which == 0 else a.base_v for a in members]
-                dist = torch.stack(
-                    [(src - b[layer].reconstruct(k)).abs().mean(-1) for b in bases]
-                )  # [N, k]
-                w = token_weights(dist, T)  # [N, k]
-                delta = torch.zeros_like(src)
-                for i, a in enumerate(members):
-                    delta += w[i, :, None] * a.deltas[target_agent][which][layer].reconstruct(k)
-                delta = self._combine(delta, edge, layer, which, k)
-                out[layer, :k] = (src + delta).to(out.dtype)
-        return SegmentKV(out_k, out_v)
+        n_layers, D = base.num_layers, base.dim
+        out_k = torch.empty(n_layers, k, D, dtype=torch.float32, device=base.k.device)
+        out_v = torch.empty_like(out_k)
+        bases_k = FactorBatch([a.base_k for a in members], k)
+        deltas = [FactorBatch([a.deltas[target_agent][which] for a in members], k) for which in (0, 1)]
+        for layers in self._blocks(n_layers, len(members), k, D):
+            dist_k = (base.k[layers, :k].float()[None] - bases_k.reconstruct(layers)).abs().mean(-1)
+            for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
+                mix = deltas[which].mix(token_weights(dist, T), layers)  # [c, k, D]
+                out[layers] = self._combine(mix, edge, layers, which, k)
+        for layer in self.config.skip_layers:
+            if layer < n_layers:
+                out_k[layer] = 0.0
+                out_v[layer] = 0.0
+        return KVDelta(out_k, out_v)
 
     def _combine(
-        self, mix: torch.Tensor, edge: Optional[Edge], layer: int, which: int, k: int
+        self, mix: torch.Tensor, edge: Optional[Edge], layers: slice, which: int, k: int
     ) -> torch.Tensor:
-        """Final delta [k, D] of one layer (which: 0 keys, 1 values) from the anchor mix."""
+        """Final delta [c, k, D] of a block of layers (which: 0 keys, 1 values) from the mix."""
         return mix

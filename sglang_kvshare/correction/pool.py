@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +46,7 @@ class Anchor:
     key: Fingerprint
     serial: int = 0
     use_count: int = 0
+    born: int = field(default_factory=time.monotonic_ns)
 
     @property
     def seq_len(self) -> int:
@@ -115,3 +117,26 @@ class AnchorPool:
         v = self.victim(keep)
         self.anchors.remove(v)
         return v
+
+
+def evict_lfu_oldest(correctors: Iterable, max_bytes: int, num_oldest: int = 5, keep: Iterable[Anchor] = ()) -> int:
+    """Evict anchors of ``correctors`` (objects with ``anchors()``, ``remove(slot, anchor)`` and
+    ``nbytes()``) until their bytes fit ``max_bytes``: each time the least used of the
+    ``num_oldest`` oldest anchors of all their pools (ties: the oldest), never one in ``keep``.
+
+    This is the paper's per-slot rule (LFU among the five oldest) applied to one byte budget over
+    all slots, so a slot of long segments loses its anchors at the rate of every other slot rather
+    than first. Returns the number evicted.
+    """
+    correctors = list(correctors)
+    keep_ids = {id(a) for a in keep}
+    evicted = 0
+    while sum(c.nbytes() for c in correctors) > max_bytes:
+        candidates = [(a, c, slot) for c in correctors for slot, a in c.anchors() if id(a) not in keep_ids]
+        if not candidates:
+            break
+        oldest = sorted(candidates, key=lambda x: x[0].born)[:num_oldest]
+        anchor, owner, slot = min(oldest, key=lambda x: (x[0].use_count, x[0].born))
+        owner.remove(slot, anchor)
+        evicted += 1
+    return evicted

@@ -202,6 +202,7 @@ class KVShareMiddleware:
             sources=ann.sources,
             recompute_ratio=ann.recompute_ratio,
             tau=ann.tau,
+            target_rho=ann.target_rho,
         )
         out = {k: v for k, v in payload.items() if k != "kvshare"}
         out["input_ids"] = prompt.input_ids

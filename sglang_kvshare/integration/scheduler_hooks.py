@@ -13,6 +13,8 @@ Hooked targets (all resolved by tests/integration/test_hook_targets.py):
   after the batch is formed, every annotated request's computed tokens are counted.
 - ``SchedulerOutputStreamer.is_request_level_customized_info_key``: the ``kvshare`` record is
   emitted once per request into ``meta_info``.
+- ``SchedulerInternalStateController.get_internal_state``: ``/server_info`` reports the sharing
+  state (``internal_states[i].kvshare``).
 
 The stock code then treats the injected slots as prefix: it reads ``req_to_token[row,
 :prefix_len]`` and runs the next chunk over the remaining tokens only.
@@ -47,6 +49,8 @@ TARGETS = {
     "prefill": "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw",
     "meta_level": "sglang.srt.managers.scheduler_components.output_streamer."
     "SchedulerOutputStreamer.is_request_level_customized_info_key",
+    "internal_state": "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController.get_internal_state",
 }
 
 _CUT_FLAG = "_kvshare_cut"
@@ -123,7 +127,7 @@ def _inject_pending(scheduler) -> None:
         elif n > 0 and st.method.corrector is None:
             result = inject_segment(scheduler, req, span, rec, n, _rope(scheduler))
         elif n > 0:
-            corrector = ctx.corrector(st.method.corrector, st.spec.tau)
+            corrector = ctx.corrector(st.method.corrector)
             result = correct_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler), corrector)
             st.anchor_bytes = corrector.nbytes()
         if result is None:
@@ -142,6 +146,7 @@ def _rope(scheduler):
 
 
 def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
+    context().observer.collect()  # anchors factorised beside the scheduler since the last step
     if scheduler.chunked_req is not None:
         _inject_pending(scheduler)
     new_batch, running_batch = original(scheduler, *args, **kwargs)
@@ -157,6 +162,16 @@ def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
     return new_batch, running_batch
 
 
+def _internal_state(original, controller, recv_req):
+    """``/server_info``'s internal state of this scheduler, plus ``kvshare``: correction state,
+    anchor bytes and budget, observations waiting for their factorisation."""
+    out = original(controller, recv_req)
+    ctx = context()
+    ctx.observer.collect()
+    out.internal_state["kvshare"] = ctx.stats()
+    return out
+
+
 def _is_request_level_key(original, streamer, key):
     return key == META_KEY or original(streamer, key)
 
@@ -169,5 +184,6 @@ def register_scheduler_hooks() -> None:
         ("add_chunked", _add_chunked_req),
         ("prefill", _get_new_batch_prefill_raw),
         ("meta_level", _is_request_level_key),
+        ("internal_state", _internal_state),
     ):
         HookRegistry.register(TARGETS[name], fn, HookType.AROUND)

@@ -5,6 +5,8 @@ Only the scheduler process mutates this; SGLang runs its scheduling loop on one 
 
 from __future__ import annotations
 
+import logging
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -13,6 +15,8 @@ from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.methods import MethodSpec, get_method
 from sglang_kvshare.segments import Span, WireSpec
 from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry, common_prefix
+
+logger = logging.getLogger(__name__)
 
 CUSTOM_PARAM_KEY = "kvshare"
 META_KEY = "kvshare"
@@ -40,6 +44,7 @@ class ReqShareState:
     jobs: dict[int, Any] = field(default_factory=dict)
     first_prefix_len: Optional[int] = None
     anchor_bytes: Optional[int] = None  # bytes of the method's correction state, last seen
+    correction_ms: float = 0.0  # scheduler time spent gathering, gating, correcting, writing
     computed_tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -115,6 +120,8 @@ class ReqShareState:
             self.meta["recomputed_token_layers"] = sum(
                 r["recomputed_token_layers"] for r in self.recompute.values()
             )
+        if self.method.corrector:
+            self.meta["correction_ms"] = round(self.correction_ms, 3)
         if self.anchor_bytes is not None:
             self.meta["anchor_bytes"] = self.anchor_bytes
         return self.meta
@@ -127,7 +134,13 @@ class PluginContext:
         self.args = args
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
-        self._correctors: dict[tuple[str, Optional[float]], Any] = {}
+        self._correctors: dict[str, Any] = {}
+        self._controllers: dict[tuple[str, Optional[float]], Any] = {}
+        self._budget: Optional[int] = None
+        from sglang_kvshare.integration.observer import Observer
+
+        self.observer = Observer(args.observe)
+        self.rng = random.Random(0)  # shadow sampling
         self.rope = None  # the model's RopeSpec, set at the first injection
         # baseshared: (workflow, agent) -> token ids the agent has processed itself
         self.processed: "OrderedDict[tuple[str, str], tuple[int, ...]]" = OrderedDict()
@@ -142,39 +155,83 @@ class PluginContext:
         """Length of the common prefix of ``tokens`` and what ``agent`` processed before."""
         return common_prefix(self.processed.get((workflow, agent), ()), tokens)
 
-    def corrector(self, name: str, tau: Optional[float] = None):
-        """The process-wide corrector of method ``name`` (one per gate threshold ``tau``)."""
-        key = (name, tau)
-        if key not in self._correctors:
+    def corrector(self, name: str):
+        """The process-wide corrector of method ``name`` (one set of pools per method)."""
+        if name not in self._correctors:
+            import torch
+
             from sglang_kvshare.correction import create_corrector
 
             overrides: dict[str, Any] = {}
             if name.startswith("kvcmas"):
-                overrides = {"rank_base": self.args.rank, "rank_delta": self.args.rank,
-                             "num_anchors": self.args.num_anchors, "tau": self.args.tau}
-            if tau is not None and name != "graphflow":
-                overrides["tau"] = tau
-            if name == "kvcmas_plus":
-                overrides.pop("rank_base"), overrides.pop("rank_delta")
-            self._correctors[key] = create_corrector(name, **overrides)
-        return self._correctors[key]
+                overrides = {"num_anchors": self.args.num_anchors, "tau": self.args.tau,
+                             "factor_dtype": getattr(torch, self.args.anchor_dtype)}
+                if name != "kvcmas_plus":  # its ranks are energy-chosen under caps of its own
+                    overrides.update(rank_base=self.args.rank, rank_delta=self.args.rank)
+            elif name == "kvcomm":
+                overrides = {"tau": self.args.tau}
+            self._correctors[name] = create_corrector(name, **overrides)
+        return self._correctors[name]
+
+    def tau_controller(self, name: str, target_rho: Optional[float] = None):
+        """The gate threshold controller of method ``name`` for a reuse target (None: the
+        server's ``--kvshare-target-rho``, or a fixed tau when that is -1)."""
+        from sglang_kvshare.correction.tuning import TauController
+
+        if target_rho is None and self.args.target_rho > 0:
+            target_rho = self.args.target_rho
+        key = (name, target_rho)
+        if key not in self._controllers:
+            max_error = self.args.max_error if self.args.shadow_fraction > 0 else None
+            self._controllers[key] = TauController(
+                getattr(self.corrector(name).config, "tau", 1.0), target_rho=target_rho, max_error=max_error
+            )
+        return self._controllers[key]
 
     def anchor_bytes_total(self) -> int:
         return sum(c.nbytes() for c in self._correctors.values())
 
-    def enforce_anchor_budget(self) -> None:
-        """Evict anchors until all correction state fits ``--kvshare-anchor-budget-mb``."""
-        budget = int(self.args.anchor_budget_mb * 2**20)
-        excess = self.anchor_bytes_total() - budget
-        while excess > 0:
-            shrinkable = [c for c in self._correctors.values() if hasattr(c, "shrink_to") and c.nbytes()]
-            if not shrinkable:
-                return
-            largest = max(shrinkable, key=lambda c: c.nbytes())
-            if not largest.shrink_to(max(largest.nbytes() - excess, 0)):
-                return
-            excess = self.anchor_bytes_total() - budget
+    def anchor_budget(self) -> int:
+        """Bytes all correction state may hold: ``--kvshare-anchor-budget-mb``, or (when -1)
+        ``--kvshare-anchor-mem-fraction`` of the memory free when first asked (after SGLang
+        sized its KV pool): the accelerator's when the model runs on one, else the host's."""
+        if self._budget is None:
+            if self.args.anchor_budget_mb >= 0:
+                self._budget = int(self.args.anchor_budget_mb * 2**20)
+            else:
+                import torch
 
+                if torch.cuda.is_available():
+                    free = torch.cuda.mem_get_info()[0]
+                else:
+                    import psutil
+
+                    free = psutil.virtual_memory().available
+                self._budget = int(self.args.anchor_mem_fraction * free)
+                logger.info("kvshare: anchor budget %.0f MiB (%.0f%% of %.0f MiB free)",
+                            self._budget / 2**20, 100 * self.args.anchor_mem_fraction, free / 2**20)
+        return self._budget
+
+    def enforce_anchor_budget(self, keep=()) -> int:
+        """Evict anchors (LFU among the 5 oldest of all pools, never those in ``keep``) until all
+        correction state fits ``anchor_budget()``; returns how many were evicted."""
+        from sglang_kvshare.correction.pool import evict_lfu_oldest
+
+        pools = [c for c in self._correctors.values() if hasattr(c, "anchors")]
+        fixed = sum(c.nbytes() for c in self._correctors.values() if not hasattr(c, "anchors"))
+        return evict_lfu_oldest(pools, self.anchor_budget() - fixed, keep=keep)
+
+    def stats(self) -> dict[str, Any]:
+        """Plain-value state of the sharing machinery (``/server_info`` internal state)."""
+        return {
+            "anchor_bytes": self.anchor_bytes_total(),
+            "anchor_budget_bytes": self._budget,
+            "pending_observations": self.observer.pending,
+            "observations_done": self.observer.num_done,
+            "observations_failed": self.observer.num_failed,
+            "correctors": {name: c.stats() for name, c in self._correctors.items()},
+            "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
+        }
 
     def state_of(self, req) -> Optional[ReqShareState]:
         """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""

@@ -3,10 +3,11 @@
 from sglang_kvshare.lowrank.factors import (
     Dense,
     Factor,
+    FactorBatch,
     LowRank,
     effective_rank,
     factorize,
     truncated_svd,
 )
 
-__all__ = ["Dense", "Factor", "LowRank", "effective_rank", "factorize", "truncated_svd"]
+__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "truncated_svd"]

@@ -93,8 +93,14 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
     """Rank-``rank`` truncated SVD of Z [..., L, D]: A = U_r Sigma_r, B = R_r^T (KVCMAS eq. 7).
 
     ``rank`` is clipped to min(L, D), so a full-rank request reconstructs Z exactly (up to float32
-    rounding). Factors are stored in ``dtype`` (default: Z.dtype). Matrices of a batch are
-    decomposed one at a time to bound the transient memory to one matrix's SVD. Z is not mutated.
+    rounding). Factors are stored in ``dtype`` (default: Z.dtype). Z is not mutated.
+
+    Tall matrices (L > D, every long segment: D is kv_heads * head_dim) are decomposed through
+    their D x D Gram matrix, all matrices of the batch at once: R_r = the top-r eigenvectors of
+    Z^T Z (``torch.linalg.eigh`` in float64), A = Z R_r. This is the same factorisation as the SVD
+    (B has orthonormal rows, A's columns have norms sigma_1..sigma_r) at a third of its cost, the
+    part that runs off the scheduler's critical path on every dense fallback. Wide matrices use
+    ``torch.linalg.svd``.
     """
     if Z.dim() < 2:
         raise ValueError(f"Z must be [..., L, D], got {tuple(Z.shape)}")
@@ -103,15 +109,16 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
     L, D = Z.shape[-2:]
     r = min(rank, L, D)
     dtype = dtype or Z.dtype
-    lead = Z.shape[:-2]
-    flat = Z.reshape(-1, L, D)
-    A = torch.empty((flat.shape[0], L, r), dtype=dtype, device=Z.device)
-    B = torch.empty((flat.shape[0], r, D), dtype=dtype, device=Z.device)
-    for i in range(flat.shape[0]):
-        U, S, Vh = torch.linalg.svd(flat[i].float(), full_matrices=False)
-        A[i] = U[:, :r] * S[:r]
-        B[i] = Vh[:r]
-    return LowRank(A.reshape(*lead, L, r), B.reshape(*lead, r, D))
+    z = Z.float()
+    if L > D:
+        gram = (z.transpose(-1, -2) @ z).double()  # [..., D, D]
+        _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+        B = vecs[..., -r:].flip(-1).transpose(-1, -2).float()  # [..., r, D]
+        A = z @ B.transpose(-1, -2)  # [..., L, r]
+    else:
+        U, S, Vh = torch.linalg.svd(z, full_matrices=False)
+        A, B = U[..., :r] * S[..., None, :r], Vh[..., :r, :]
+    return LowRank(A.to(dtype).contiguous(), B.to(dtype).contiguous())
 
 
 def factorize(Z: torch.Tensor, rank: Optional[int], dtype: Optional[torch.dtype] = None) -> Factor:
@@ -139,3 +146,73 @@ def effective_rank(Z: torch.Tensor, energy: float = 0.9) -> Union[int, torch.Ten
     ranks = (cum < energy * total * (1 - 1e-12)).sum(-1) + 1
     ranks = torch.where(total.squeeze(-1) > 0, ranks, torch.zeros_like(ranks))
     return int(ranks) if Z.dim() == 2 else ranks
+
+
+class FactorBatch:
+    """N factors of one shape [n_layers, >= num_rows, D] used together, as a batch [N, ...].
+
+    Low-rank members are stacked (zero-padded to a common rank), dense members stacked apart, so
+    reconstructing or mixing all of them over a range of layers is one batched product, not a
+    loop over layers and members. All results are float32. Reads the factors, never mutates them.
+    """
+
+    def __init__(self, factors: "list[Factor]", num_rows: int) -> None:
+        self.factors, self.num_rows = list(factors), num_rows
+        self.low = [i for i, f in enumerate(self.factors) if isinstance(f, LowRank)]
+        self.dense = [i for i, f in enumerate(self.factors) if not isinstance(f, LowRank)]
+        self.rank = max((self.factors[i].rank for i in self.low), default=0)
+
+    def __len__(self) -> int:
+        return len(self.factors)
+
+    def _low(self, layers: slice):
+        """(A [n_low, c, k, r], B [n_low, c, r, D]) of the low-rank members, float32."""
+        k, r = self.num_rows, self.rank
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            extra = r - t.shape[dim]
+            if not extra:
+                return t
+            shape = list(t.shape)
+            shape[dim] = extra
+            return torch.cat([t, t.new_zeros(shape)], dim)
+
+        A = torch.stack([pad(self.factors[i].A[layers, :k], -1) for i in self.low]).float()
+        B = torch.stack([pad(self.factors[i].B[layers], -2) for i in self.low]).float()
+        return A, B
+
+    def _dense(self, layers: slice) -> torch.Tensor:
+        return torch.stack([self.factors[i].Z[layers, : self.num_rows] for i in self.dense]).float()
+
+    def reconstruct(self, layers: slice) -> torch.Tensor:
+        """[N, c, k, D]: every member's first k rows in layers ``layers`` (c layers)."""
+        parts, order = [], []
+        if self.low:
+            A, B = self._low(layers)
+            parts.append(A @ B)
+            order += self.low
+        if self.dense:
+            parts.append(self._dense(layers))
+            order += self.dense
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if order != sorted(order):
+            out = out[torch.tensor(order).argsort()]
+        return out
+
+    def mix(self, weights: torch.Tensor, layers: slice) -> torch.Tensor:
+        """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D]; weights: [N, c, k].
+
+        The low-rank part is one product [c, k, N r] @ [c, N r, D] with A = [w_1 A_1 | ...] and
+        B = [B_1; ...] (the same form ``kernels.kv_correct`` takes)."""
+        out = None
+        if self.low:
+            A, B = self._low(layers)
+            w = weights[self.low].float()  # [n, c, k]
+            n, c, k, r = A.shape
+            A = (w[..., None] * A).permute(1, 2, 0, 3).reshape(c, k, n * r)
+            out = A @ B.permute(1, 0, 2, 3).reshape(c, n * r, -1)
+        if self.dense:
+            w = weights[self.dense].float()
+            d = (w[..., None] * self._dense(layers)).sum(0)
+            out = d if out is None else out + d
+        return out

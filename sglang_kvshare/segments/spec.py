@@ -38,6 +38,7 @@ class KVShareAnnotation:
     sources: Mapping[str, str] = field(default_factory=dict)
     recompute_ratio: Optional[float] = None
     tau: Optional[float] = None
+    target_rho: Optional[float] = None
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -51,7 +52,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     """Validate a JSON ``kvshare`` object; raises :class:`AnnotationError` on any defect."""
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
-    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau"}
+    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -113,6 +114,13 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     tau = raw.get("tau")
     if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0):
         raise AnnotationError(f"kvshare.tau must be a number in [0, 1], got {tau!r}")
+    target_rho = raw.get("target_rho")
+    if target_rho is not None and (
+        isinstance(target_rho, bool) or not isinstance(target_rho, (int, float)) or not 0.0 < target_rho <= 1.0
+    ):
+        raise AnnotationError(f"kvshare.target_rho must be a number in (0, 1], got {target_rho!r}")
+    if tau is not None and target_rho is not None:
+        raise AnnotationError("kvshare.tau and kvshare.target_rho exclude each other: give one")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -121,6 +129,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         sources=dict(sources),
         recompute_ratio=None if ratio is None else float(ratio),
         tau=None if tau is None else float(tau),
+        target_rho=None if target_rho is None else float(target_rho),
     )
 
 
@@ -185,6 +194,7 @@ class WireSpec:
     sources: Mapping[str, str] = field(default_factory=dict)
     recompute_ratio: Optional[float] = None
     tau: Optional[float] = None
+    target_rho: Optional[float] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
 

@@ -50,3 +50,20 @@ def run_workflow(server, workflow: str, method: str, agents=("solver", "critic",
 
 def private_tokens(meta: dict) -> int:
     return sum(s["tokens"] for s in meta["segments"] if not s["shared"])
+
+
+def settle(server, timeout: float = 120.0) -> dict:
+    """Wait until the server has recorded every dense-fallback observation (they are factorised
+    beside the scheduler); returns its ``kvshare`` internal state."""
+    import time
+
+    import requests
+
+    deadline = time.time() + timeout
+    while True:
+        states = requests.get(server.url + "/server_info", timeout=30).json()["internal_states"]
+        kv = states[0]["kvshare"]
+        if kv["pending_observations"] == 0 or time.time() > deadline:
+            assert kv["pending_observations"] == 0, f"observations still pending after {timeout}s: {kv}"
+            return kv
+        time.sleep(0.2)

@@ -47,12 +47,13 @@ def test_graphflow_rejects_until_observed_then_applies_without_matching():
     r = c.correct("q", "a0", "a1", _kv(6, 9), reference=ref1)
     assert not r.accepted and r.reason == "no_relation"
     c.observe("q", "a0", "a1", _kv(6, 9), tgt1, reference=ref1)
-    ref2 = _kv(9, 2)  # new content, longer: correct the covered prefix, keep the rest
-    r = c.correct("q", "a0", "a1", _kv(9, 3), reference=ref2)
+    ref2, src2 = _kv(9, 2), _kv(9, 3)  # new content, longer: correct the covered prefix
+    r = c.correct("q", "a0", "a1", src2, reference=ref2)
     assert r.accepted and r.entropy is None and r.corrected_len == 6
     torch.testing.assert_close(r.kv.k[:, :6], ref2.k[:, :6] + tgt1.k - ref1.k)
     torch.testing.assert_close(r.kv.v[:, :6], ref2.v[:, :6] + tgt1.v - ref1.v)
-    assert torch.equal(r.kv.k[:, 6:], ref2.k[:, 6:])
+    # rows beyond the relation: the source agent's aligned cache, not the raw reference
+    assert torch.equal(r.kv.k[:, 6:], src2.k[:, 6:]) and torch.equal(r.kv.v[:, 6:], src2.v[:, 6:])
     # constructed once: a later observation does not replace it
     c.observe("q", "a0", "a1", _kv(6, 4), _kv(6, 5), reference=_kv(6, 6))
     again = c.correct("q", "a0", "a1", _kv(9, 3), reference=ref2)

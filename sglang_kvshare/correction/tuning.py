@@ -1,0 +1,90 @@
+"""Online control of the entropy gate's threshold tau (ours, beyond the paper).
+
+The paper hand-tunes tau per workload to reach its reuse operating point (rho ~ 0.8 for the
+LLM workloads, appendix B.1/B.3). A server cannot: ``TauController`` holds a reuse target
+instead, and guards quality with measured errors.
+
+- ``target_rho``: tau is the token-weighted ``target_rho`` quantile of the gate entropies of the
+  last ``window`` gated segments, so about that fraction of the gated shared tokens is accepted
+  (the least ambiguous matches first). Segments that could not be gated (fewer than two
+  anchors) are outside its reach. Until ``min_samples`` gates were seen, the static tau holds.
+- Error guard (the shadow-dense monitor feeds it): a measured relative KV error above
+  ``max_error`` caps tau below the entropy of the correction that erred (x ``backoff``); each
+  measurement within bound lets the cap recover by ``recovery`` of its distance to 1.
+
+Plain Python; one instance per (method, target) in a process; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Optional, Tuple
+
+
+class TauController:
+    def __init__(
+        self,
+        tau: float,
+        target_rho: Optional[float] = None,
+        max_error: Optional[float] = None,
+        window: int = 256,
+        min_samples: int = 8,
+        backoff: float = 0.9,
+        recovery: float = 0.05,
+    ) -> None:
+        if target_rho is not None and not 0.0 < target_rho <= 1.0:
+            raise ValueError(f"target_rho must be in (0, 1], got {target_rho}")
+        if max_error is not None and max_error <= 0.0:
+            raise ValueError(f"max_error must be > 0, got {max_error}")
+        self.base_tau = tau
+        self.target_rho = target_rho
+        self.max_error = max_error
+        self.min_samples = min_samples
+        self.backoff, self.recovery = backoff, recovery
+        self.cap = 1.0
+        self._gates: Deque[Tuple[float, int]] = deque(maxlen=window)
+        self.num_errors = 0
+        self.num_violations = 0
+        self.last_error: Optional[float] = None
+
+    def tau(self) -> float:
+        """The threshold to gate with now."""
+        tau = self.base_tau
+        if self.target_rho is not None and len(self._gates) >= self.min_samples:
+            tau = _weighted_quantile(self._gates, self.target_rho)
+        return min(tau, self.cap)
+
+    def observe_gate(self, entropy: float, tokens: int) -> None:
+        """A gate ran on a segment of ``tokens`` rows with this normalised entropy."""
+        self._gates.append((float(entropy), max(1, int(tokens))))
+
+    def observe_error(self, entropy: float, error: float) -> None:
+        """A shadowed correction (gate entropy ``entropy``) had relative KV error ``error``."""
+        self.num_errors += 1
+        self.last_error = float(error)
+        if self.max_error is None:
+            return
+        if error > self.max_error:
+            self.num_violations += 1
+            self.cap = min(self.cap, entropy) * self.backoff
+        else:
+            self.cap += (1.0 - self.cap) * self.recovery
+
+    def stats(self) -> dict:
+        return {
+            "tau": self.tau(), "base_tau": self.base_tau, "target_rho": self.target_rho,
+            "cap": self.cap, "num_gates": len(self._gates), "num_shadowed": self.num_errors,
+            "num_error_violations": self.num_violations, "last_error": self.last_error,
+        }
+
+
+def _weighted_quantile(samples, q: float) -> float:
+    """Smallest value v with weight(values <= v) >= q * total weight."""
+    ordered = sorted(samples)
+    total = sum(w for _, w in ordered)
+    acc = 0
+    for value, w in ordered:
+        acc += w
+        if acc >= q * total - 1e-9:
+            return value
+    return ordered[-1][0]
