@@ -3,7 +3,8 @@
 Takes every SGLang server flag plus our ``--kvshare-*`` flags. With no ``--model-path`` it serves
 the embedded default model (prepared once, see ``sglang_kvshare.assets``). On a machine without
 CUDA it adds CPU defaults unless the flag is given: ``--device cpu``, the ``kvshare_torch``
-attention backend, float32, no CUDA graphs, a bounded KV pool.
+attention backend, float32, no CUDA graphs, a bounded KV pool, and ``--lora-backend torch_native``
+when LoRA is on. Flags the server cannot take (``REFUSED``) stop it with a message naming the flag.
 """
 
 from __future__ import annotations
@@ -34,8 +35,65 @@ DEFAULTS = (
 )
 
 
+# The LoRA kernel backends of SGLang 0.5.23 that run without CUDA: csgmv (its default), triton and
+# triton_v2 pin host memory per batch (also under TRITON_INTERPRET), ascend is for NPUs.
+CPU_LORA_BACKENDS = ("torch_native",)
+CPU_LORA_DEFAULTS = (("--lora-backend", "torch_native"),)  # when --enable-lora or --lora-paths is given
+LORA_FLAGS = ("--enable-lora", "--lora-paths")
+
+
+def _positive(value: str) -> bool:
+    try:
+        return int(value) > 0
+    except ValueError:
+        return True  # not a number: SGLang's parser says so
+
+
+# Flags the server cannot take: (the flag and its aliases, whether it can take a value (None: it
+# cannot be given at all; a missing value is left to SGLang's parser), refused only without CUDA,
+# why). Each would otherwise fail in a
+# scheduler subprocess (at startup, or on the first request or injection) with a traceback.
+REFUSED = (
+    (("--lora-backend",), lambda v: v in CPU_LORA_BACKENDS, True,
+     "SGLang's other LoRA backends need CUDA; leave the flag out (torch_native is the CPU default)"),
+    (("--radix-cache-backend",), lambda v: v == "kvshare", False,
+     "the plugin keeps shared KV in its own radix cache (kvshare, the default); "
+     "for another cache serve without the plugin (python -m sglang.launch_server)"),
+    (("--disable-radix-cache",), None, False,
+     "the plugin keeps shared KV in the radix cache; "
+     "for a server without one use python -m sglang.launch_server"),
+    (("--enable-hierarchical-cache", "--enable-hicache"), None, False,
+     "the plugin's radix cache (kvshare) has no hierarchical (host-memory) tier"),
+    (("--chunked-prefill-size",), _positive, False,
+     "shared segments are injected between prefill chunks; give a size > 0 or leave the flag out"),
+)
+
+
 def has_flag(argv: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``argv`` (None if absent)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+        elif a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def check_flags(argv: Sequence[str], cuda: bool) -> None:
+    """Exit with a message naming the first flag of ``argv`` (ours to SGLang) that ``REFUSED`` lists."""
+    for names, ok, cpu_only, why in REFUSED:
+        if cpu_only and cuda:
+            continue
+        for name in names:
+            value = flag_value(argv, name)
+            if has_flag(argv, name) and (ok is None or (value is not None and not ok(value))):
+                given = name if ok is None else f"{name} {value}"
+                sys.exit(f"{PROG}: {given} is not supported{' without CUDA' if cpu_only else ''}: {why}")
 
 
 def with_defaults(argv: Sequence[str], cuda: bool) -> list[str]:
@@ -45,7 +103,10 @@ def with_defaults(argv: Sequence[str], cuda: bool) -> list[str]:
         from sglang_kvshare.assets import ensure_default_model
 
         out += ["--model-path", ensure_default_model()]
-    for flag, value in DEFAULTS + (() if cuda else CPU_DEFAULTS):
+    defaults = DEFAULTS if cuda else DEFAULTS + CPU_DEFAULTS
+    if not cuda and any(has_flag(out, f) for f in LORA_FLAGS):
+        defaults += CPU_LORA_DEFAULTS
+    for flag, value in defaults:
         if not has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
     return out
@@ -75,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     kv_args, rest = split_args(argv)
     os.environ[ENV_VAR] = kv_args.to_env()
     cuda = torch.cuda.is_available()
+    help_asked = "-h" in argv or "--help" in argv
+    if not help_asked:
+        check_flags(rest, cuda)
     if not cuda:
         from sglang_kvshare.integration import cpu_shims
 
@@ -83,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    if "-h" in argv or "--help" in argv:
+    if help_asked:
         print_help()
         return
 
@@ -95,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sglang_kvshare.integration import http
 
     http.install(app, kv_args)
-    server_args = prepare_server_args(with_defaults(rest, cuda))
+    sglang_argv = with_defaults(rest, cuda)
+    print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest):])}", file=sys.stderr, flush=True)
+    server_args = prepare_server_args(sglang_argv)
     if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
         sys.exit("--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
                  "--attention-backend kvshare_torch (the backend that holds the LR pool)")

@@ -1,0 +1,72 @@
+"""The launcher's argv logic (``sglang_kvshare.launch_server``): defaults and refused flags, no server."""
+
+import pytest
+
+from sglang_kvshare.launch_server import PROG, check_flags, flag_value, with_defaults
+
+MODEL = ["--model-path", "/models/tiny"]
+LORA = ["--enable-lora", "--lora-paths", "a=/ad/a", "b=/ad/b"]
+
+
+def test_cpu_lora_defaults_to_the_torch_native_backend():
+    for lora in (LORA, ["--lora-paths", "a=/ad/a"], ["--enable-lora"]):
+        out = with_defaults(MODEL + lora, cuda=False)
+        assert flag_value(out, "--lora-backend") == "torch_native"
+        assert out[: len(MODEL + lora)] == MODEL + lora  # the user's flags first, unchanged
+
+
+def test_no_lora_backend_without_lora_or_on_cuda_or_when_chosen():
+    assert "--lora-backend" not in with_defaults(MODEL, cuda=False)
+    assert "--lora-backend" not in with_defaults(MODEL + LORA, cuda=True)
+    out = with_defaults(MODEL + LORA + ["--lora-backend=torch_native"], cuda=False)
+    assert sum(a.startswith("--lora-backend") for a in out) == 1
+
+
+def test_other_defaults_unchanged():
+    cpu = with_defaults(MODEL, cuda=False)
+    assert flag_value(cpu, "--device") == "cpu" and flag_value(cpu, "--radix-cache-backend") == "kvshare"
+    assert "--disable-overlap-schedule" in cpu
+    gpu = with_defaults(MODEL, cuda=True)
+    assert "--device" not in gpu and flag_value(gpu, "--radix-cache-backend") == "kvshare"
+    assert flag_value(with_defaults(MODEL + ["--dtype", "bfloat16"], cuda=False), "--dtype") == "bfloat16"
+
+
+def test_flag_value():
+    assert flag_value(["--x", "1", "--y"], "--x") == "1"
+    assert flag_value(["--x=2"], "--x") == "2"
+    assert flag_value(["--x", "1", "--x=3"], "--x") == "3"
+    assert flag_value(["--xy", "1"], "--x") is None
+
+
+@pytest.mark.parametrize("argv,cuda,named", [
+    (["--lora-backend", "csgmv"], False, "--lora-backend csgmv"),
+    (["--lora-backend=triton"], False, "--lora-backend triton"),
+    (["--lora-backend", "triton_v2"], False, "--lora-backend triton_v2"),
+    (["--lora-backend", "ascend"], False, "--lora-backend ascend"),
+    (["--radix-cache-backend", "lru_tree"], True, "--radix-cache-backend lru_tree"),
+    (["--disable-radix-cache"], False, "--disable-radix-cache"),
+    (["--disable-radix-cache"], True, "--disable-radix-cache"),
+    (["--enable-hierarchical-cache"], True, "--enable-hierarchical-cache"),
+    (["--enable-hicache"], False, "--enable-hicache"),
+    (["--chunked-prefill-size", "-1"], False, "--chunked-prefill-size -1"),
+    (["--chunked-prefill-size=0"], True, "--chunked-prefill-size 0"),
+])
+def test_refused_flags_exit_with_a_message_naming_the_flag(argv, cuda, named):
+    with pytest.raises(SystemExit) as e:
+        check_flags(MODEL + argv, cuda)
+    assert isinstance(e.value.code, str)  # sys.exit(message): printed, exit status 1
+    assert e.value.code.startswith(PROG) and named in e.value.code
+
+
+@pytest.mark.parametrize("argv,cuda", [
+    (MODEL, False),
+    (MODEL + LORA, False),
+    (MODEL + LORA + ["--lora-backend", "torch_native"], False),
+    (MODEL + LORA + ["--lora-backend", "csgmv"], True),
+    (MODEL + LORA + ["--enable-lora-overlap-loading", "--max-loaded-loras", "8"], False),
+    (MODEL + ["--radix-cache-backend", "kvshare", "--chunked-prefill-size", "16"], False),
+    (MODEL + ["--chunked-prefill-size", "64", "--enable-mixed-chunk", "--disable-overlap-schedule"], False),
+    (MODEL + ["--chunked-prefill-size"], False),  # no value: SGLang's parser reports it
+])
+def test_accepted_flags(argv, cuda):
+    check_flags(argv, cuda)
