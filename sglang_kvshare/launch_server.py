@@ -10,6 +10,7 @@ when LoRA is on. Flags the server cannot take (``REFUSED``) stop it with a messa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Sequence
@@ -133,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    kv_args, rest = split_args(argv)
+    try:
+        kv_args, rest = split_args(argv)
+    except ValueError as e:  # a --kvshare-* value out of range
+        sys.exit(f"{PROG}: {e}")
     os.environ[ENV_VAR] = kv_args.to_env()
     cuda = torch.cuda.is_available()
     help_asked = "-h" in argv or "--help" in argv
@@ -156,10 +160,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sglang_kvshare.integration import http
+    from sglang_kvshare.correction.store import AnchorPoolFileError
+    from sglang_kvshare.integration import anchor_file, http
 
     http.install(app, kv_args)
     sglang_argv = with_defaults(rest, cuda)
+    if kv_args.anchor_pool:
+        try:
+            model = anchor_file.check_file(kv_args, flag_value(sglang_argv, "--model-path"))
+        except AnchorPoolFileError as e:
+            sys.exit(f"{PROG}: --kvshare-anchor-pool: {e}; the file was left unchanged")
+        os.environ[anchor_file.MODEL_ENV] = json.dumps(model)
     print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest):])}", file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)
     if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
@@ -168,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         run_server(server_args)
     finally:
+        if kv_args.anchor_pool:  # the schedulers save their anchor pools when told to stop
+            anchor_file.stop_children()
         kill_process_tree(os.getpid(), include_parent=False)
 
 

@@ -174,13 +174,20 @@ class Corrector(ABC):
         """Counters for metrics and tests (plain Python values)."""
 
 
-def apply_delta(base: SegmentKV, source: SegmentKV, delta: KVDelta, num_rows: int) -> SegmentKV:
+def apply_delta(
+    base: SegmentKV, source: SegmentKV, delta: KVDelta, num_rows: int, inplace: bool = False
+) -> SegmentKV:
     """The corrected cache: ``base + delta`` on rows ``:num_rows``, ``source`` beyond them (rows
-    no correction covers keep the source agent's aligned cache). A new SegmentKV in source's dtype."""
-    out_k, out_v = source.k.clone(), source.v.clone()
-    out_k[:, :num_rows] = (base.k[:, :num_rows].float() + delta.k[:, :num_rows]).to(out_k.dtype)
-    out_v[:, :num_rows] = (base.v[:, :num_rows].float() + delta.v[:, :num_rows]).to(out_v.dtype)
-    return SegmentKV(out_k, out_v)
+    no correction covers keep the source agent's aligned cache). A new SegmentKV in source's
+    dtype, or ``source`` itself, overwritten, when ``inplace`` (the caller owns it)."""
+    out_k, out_v = (source.k, source.v) if inplace else (source.k.clone(), source.v.clone())
+    if base is source and inplace and out_k.dtype == torch.float32:
+        out_k[:, :num_rows] += delta.k[:, :num_rows]
+        out_v[:, :num_rows] += delta.v[:, :num_rows]
+    else:
+        out_k[:, :num_rows] = (base.k[:, :num_rows].float() + delta.k[:, :num_rows]).to(out_k.dtype)
+        out_v[:, :num_rows] = (base.v[:, :num_rows].float() + delta.v[:, :num_rows]).to(out_v.dtype)
+    return source if inplace else SegmentKV(out_k, out_v)
 
 
 def check_pair(a: SegmentKV, b: SegmentKV, what: str) -> None:

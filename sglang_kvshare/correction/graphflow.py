@@ -76,6 +76,21 @@ class GraphFlowCorrector(Corrector):
             self._relations[key] = factors
             self._counts["num_inserted"] += 1
 
+    def state_dict(self) -> dict:
+        from sglang_kvshare.correction.store import factor_state
+
+        return {"relations": [[list(key), factor_state(dk), factor_state(dv)] for key, (dk, dv) in self._relations.items()]}
+
+    def load_state_dict(self, state: dict) -> int:
+        from sglang_kvshare.correction.store import factor_from_state
+
+        n = 0
+        for key, dk, dv in state["relations"]:
+            if tuple(key) not in self._relations:
+                self._relations[tuple(key)] = (factor_from_state(dk), factor_from_state(dv))
+                n += 1
+        return n
+
     def nbytes(self) -> int:
         return sum(dk.nbytes + dv.nbytes for dk, dv in self._relations.values())
 

@@ -11,8 +11,10 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
 4. Gate (eq. 9-11): d_v = sqrt(sum_l ||V[l, :k] - V~_v[l, :k]||_F^2) on VALUE states,
    g = softmax(-d / T), accept iff normalised entropy (log2) <= tau. ``gate_scale`` "relative"
    divides every d_v by the smallest one first (see ``gate.relative_distances``).
-5. Correction (eq. 8): per layer and token t, w_v[t] = softmax_v(-mean_D |X[t] - X~_v[t]|)
-   separately for keys and values, X^[t] = X[t] + sum_v w_v[t] Delta_v[t] for t < k. Rows k: are
+5. Correction (eq. 8): per layer and token t, w_v[t] = softmax_v(-rms_D(X[t] - X~_v[t]))
+   separately for keys and values (the paper: the mean absolute distance; the root mean square
+   is computed in the factors' space without reconstructing any anchor, see
+   ``FactorBatch.sq_distances``, and ranks anchors alike), X^[t] = X[t] + sum_v w_v[t] Delta_v[t] for t < k. Rows k: are
    the source agent's aligned cache (the caller's ``source``; for chained methods the base
    itself). Layers in ``skip_layers`` are copied uncorrected. Every member of A_k of an accepted
    correction counts one use (the eviction frequency).
@@ -22,7 +24,7 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
    pure part) and may run on another thread; ``record`` only changes the pools.
 
 Steps 4 and 5 run batched over all members and a block of layers at a time
-(``lowrank.FactorBatch``): the value states are reconstructed once, for both the gate and the
+(``lowrank.FactorBatch``): one pass over the value states gives both the gate distances and the
 value weights.
 """
 
@@ -49,8 +51,12 @@ from sglang_kvshare.lowrank import Factor, FactorBatch, factorize
 
 Edge = Tuple[str, str, str]  # (slot, source agent, target agent)
 
-# elements of one batched [N, layers, k, D] block (float32): bounds the transient memory
-_BLOCK_ELEMS = 1 << 23
+_LAYERS_PER_BLOCK = 2  # layers batched together (transient memory O(block x N x k x r))
+
+
+def _blocks(num_layers: int):
+    for lo in range(0, num_layers, _LAYERS_PER_BLOCK):
+        yield slice(lo, min(lo + _LAYERS_PER_BLOCK, num_layers))
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,37 @@ class AnchorPoolCorrector(Corrector):
         from sglang_kvshare.correction.pool import evict_lfu_oldest
 
         return evict_lfu_oldest([self], max_bytes, self.config.num_oldest)
+
+    def state_dict(self) -> dict:
+        """Every pool's anchors as plain values and tensors (``correction.store``)."""
+        from sglang_kvshare.correction.store import factor_state
+
+        return {"pools": {
+            slot: [{
+                "base": [factor_state(a.base_k), factor_state(a.base_v)],
+                "deltas": {t: [factor_state(dk), factor_state(dv)] for t, (dk, dv) in a.deltas.items()},
+                "source_agent": a.source_agent, "key": list(a.key), "use_count": a.use_count,
+            } for a in pool.anchors]
+            for slot, pool in self._pools.items()
+        }}
+
+    def load_state_dict(self, state: dict) -> int:
+        """Add the anchors of ``state_dict()`` output, oldest first, under this corrector's pool
+        capacity; returns how many were added."""
+        from sglang_kvshare.correction.store import factor_from_state
+
+        cfg, n = self.config, 0
+        for slot, anchors in state["pools"].items():
+            pool = self._pools.setdefault(slot, AnchorPool(cfg.num_anchors, cfg.num_oldest, cfg.max_bytes_per_slot))
+            for d in anchors:
+                anchor = Anchor(
+                    base_k=factor_from_state(d["base"][0]), base_v=factor_from_state(d["base"][1]),
+                    deltas={t: (factor_from_state(dk), factor_from_state(dv)) for t, (dk, dv) in d["deltas"].items()},
+                    source_agent=d["source_agent"], key=tuple(d["key"]), use_count=int(d["use_count"]),
+                )
+                pool.insert(anchor)
+                n += 1
+        return n
 
     def stats(self) -> dict:
         out = dict(self._counts)
@@ -255,21 +292,15 @@ class AnchorPoolCorrector(Corrector):
         return factorize(Z, rank, dtype)
 
     # ---- the math (public for tests and benchmarks) --------------------------------------
-    def _blocks(self, num_layers: int, n: int, k: int, d: int):
-        step = max(1, _BLOCK_ELEMS // max(1, n * k * d))
-        for lo in range(0, num_layers, step):
-            yield slice(lo, min(lo + step, num_layers))
-
     def _value_distances(self, base: SegmentKV, members: List[Anchor], k: int):
-        """(sq [N] float32: eq. 9 squared, dist [N, n_layers, k]: mean_D |V - V~_v|), one
-        reconstruction of the members' value states."""
-        bases = FactorBatch([a.base_v for a in members], k)
+        """(sq [N]: eq. 9 squared, dist [N, n_layers, k]: per-token RMS distance of the values)."""
         sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
         dist = torch.empty(len(members), base.num_layers, k, dtype=torch.float32, device=base.v.device)
-        for layers in self._blocks(base.num_layers, len(members), k, base.dim):
-            diff = base.v[layers, :k].float()[None] - bases.reconstruct(layers)  # [N, c, k, D]
-            sq += diff.square().sum((1, 2, 3))
-            dist[:, layers] = diff.abs().mean(-1)
+        bases = FactorBatch([a.base_v for a in members], k)
+        for layers in _blocks(base.num_layers):
+            d2 = bases.sq_distances(base.v[layers, :k], layers)  # [N, c, k]
+            sq += d2.sum((1, 2))
+            dist[:, layers] = (d2 / base.dim).sqrt()
         return sq, dist
 
     def _gate_scaled(self, d: torch.Tensor) -> torch.Tensor:
@@ -301,8 +332,8 @@ class AnchorPoolCorrector(Corrector):
         out_v = torch.empty_like(out_k)
         bases_k = FactorBatch([a.base_k for a in members], k)
         deltas = [FactorBatch([a.deltas[target_agent][which] for a in members], k) for which in (0, 1)]
-        for layers in self._blocks(n_layers, len(members), k, D):
-            dist_k = (base.k[layers, :k].float()[None] - bases_k.reconstruct(layers)).abs().mean(-1)
+        for layers in _blocks(n_layers):
+            dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
             for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
                 mix = deltas[which].mix(token_weights(dist, T), layers)  # [c, k, D]
                 out[layers] = self._combine(mix, edge, layers, which, k)

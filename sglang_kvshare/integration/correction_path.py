@@ -134,7 +134,7 @@ def correct_segment(
         controller = ctx.tau_controller(st.method.corrector, st.spec.target_rho)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
         result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
-                                   materialize=not fused, tau=tau)
+                                   materialize=False, tau=tau)
         if result.entropy is not None:
             controller.observe_gate(result.entropy, num_tokens)
         record = {
@@ -150,7 +150,7 @@ def correct_segment(
             corrected = None
             if shadow:
                 record["shadow"] = True
-                corrected = result.kv or apply_delta(reference or source, source, result.delta, result.corrected_len)
+                corrected = apply_delta(reference or source, source, result.delta, result.corrected_len)
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
         dst = alloc_slots(scheduler, req, span.start, num_tokens)
@@ -163,8 +163,9 @@ def correct_segment(
             ar = torch.arange(num_tokens, device=rows.device)
             positions = torch.where(ar < k, base_start + ar, rec.start + ar)
             write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
-        else:
-            write_canonical(pool, dst, result.kv, span.start, rope)
+        else:  # the gathered source is ours: correct it in place and write it
+            kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
+            write_canonical(pool, dst, kv, span.start, rope)
     finally:
         for lock in locks:
             tree.unlock(lock)

@@ -15,6 +15,8 @@ Hooked targets (all resolved by tests/integration/test_hook_targets.py):
   emitted once per request into ``meta_info``.
 - ``SchedulerInternalStateController.get_internal_state``: ``/server_info`` reports the sharing
   state (``internal_states[i].kvshare``).
+- ``SchedulerInternalStateController.set_internal_state``: ``kvshare_save_anchor_pool`` saves
+  the anchor pools (warm start, ``anchor_file.py``).
 
 The stock code then treats the injected slots as prefix: it reads ``req_to_token[row,
 :prefix_len]`` and runs the next chunk over the remaining tokens only.
@@ -51,6 +53,8 @@ TARGETS = {
     "SchedulerOutputStreamer.is_request_level_customized_info_key",
     "internal_state": "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController.get_internal_state",
+    "set_internal_state": "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController.set_internal_state",
 }
 
 _CUT_FLAG = "_kvshare_cut"
@@ -146,7 +150,9 @@ def _rope(scheduler):
 
 
 def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
-    context().observer.collect()  # anchors factorised beside the scheduler since the last step
+    ctx = context()
+    ctx.observer.collect()  # anchors factorised beside the scheduler since the last step
+    ctx.anchor_file.maybe_save()
     if scheduler.chunked_req is not None:
         _inject_pending(scheduler)
     new_batch, running_batch = original(scheduler, *args, **kwargs)
@@ -172,6 +178,26 @@ def _internal_state(original, controller, recv_req):
     return out
 
 
+def _set_internal_state(original, controller, recv_req):
+    """``kvshare_save_anchor_pool`` in ``/set_internal_state``'s server_args saves the anchor
+    pools now (the launcher sends it at shutdown); other keys go to SGLang."""
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    from sglang_kvshare.integration.anchor_file import SAVE_KEY
+
+    requested = dict(recv_req.server_args)
+    if SAVE_KEY not in requested:
+        return original(controller, recv_req)
+    requested.pop(SAVE_KEY)
+    ctx = context()
+    ctx.observer.collect(wait=True)
+    saved = ctx.anchor_file.save(wait=True)
+    if requested:
+        recv_req.server_args = requested
+        return SetInternalStateReqOutput(updated=saved and original(controller, recv_req).updated)
+    return SetInternalStateReqOutput(updated=saved)
+
+
 def _is_request_level_key(original, streamer, key):
     return key == META_KEY or original(streamer, key)
 
@@ -185,5 +211,6 @@ def register_scheduler_hooks() -> None:
         ("prefill", _get_new_batch_prefill_raw),
         ("meta_level", _is_request_level_key),
         ("internal_state", _internal_state),
+        ("set_internal_state", _set_internal_state),
     ):
         HookRegistry.register(TARGETS[name], fn, HookType.AROUND)

@@ -140,6 +140,9 @@ class PluginContext:
         from sglang_kvshare.integration.observer import Observer
 
         self.observer = Observer(args.observe)
+        from sglang_kvshare.integration.anchor_file import AnchorPoolFile
+
+        self.anchor_file = AnchorPoolFile(self)
         self.rng = random.Random(0)  # shadow sampling
         self.rope = None  # the model's RopeSpec, set at the first injection
         # baseshared: (workflow, agent) -> token ids the agent has processed itself
@@ -221,6 +224,14 @@ class PluginContext:
         fixed = sum(c.nbytes() for c in self._correctors.values() if not hasattr(c, "anchors"))
         return evict_lfu_oldest(pools, self.anchor_budget() - fixed, keep=keep)
 
+    def anchor_version(self) -> int:
+        """Changes whenever an anchor is inserted, merged or evicted."""
+        total = 0
+        for c in self._correctors.values():
+            st = c.stats()
+            total += st.get("num_inserted", 0) + st.get("num_merged", 0) + st.get("num_evicted", 0)
+        return total
+
     def stats(self) -> dict[str, Any]:
         """Plain-value state of the sharing machinery (``/server_info`` internal state)."""
         return {
@@ -231,6 +242,7 @@ class PluginContext:
             "observations_failed": self.observer.num_failed,
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
+            "anchor_pool_saves": self.anchor_file.num_saves,
         }
 
     def state_of(self, req) -> Optional[ReqShareState]:

@@ -138,7 +138,10 @@ def _factory(ctx: TreeCacheBuildContext):
         raise ValueError(
             "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
         )
-    return KVShareRadixCache(ctx.params)
+    tree = KVShareRadixCache(ctx.params)
+    context().anchor_file.load()  # warm start (the launcher checked the file already)
+    context().anchor_file.install_signal_handlers()
+    return tree
 
 
 def register_tree() -> None:

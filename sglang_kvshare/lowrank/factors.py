@@ -199,6 +199,27 @@ class FactorBatch:
             out = out[torch.tensor(order).argsort()]
         return out
 
+    def sq_distances(self, x: torch.Tensor, layers: slice) -> torch.Tensor:
+        """[N, c, k]: ||x[l, t] - Z_v[l, t]||^2 for every member, x: [c, k, D] (float32).
+
+        Low-rank members are never reconstructed: with P = x B^T,
+        ||x - A B||^2 = ||x||^2 - 2 <P, A> + <A (B B^T), A> per row, so the cost is one
+        [k, D] @ [D, N r] product per layer and the memory O(N k r), not O(N k D)."""
+        x = x.float()
+        c, k, D = x.shape
+        out = torch.empty(len(self), c, k, dtype=torch.float32, device=x.device)
+        if self.low:
+            A, B = self._low(layers)  # [n, c, k, r], [n, c, r, D]
+            n, r = A.shape[0], A.shape[-1]
+            P = torch.bmm(x, B.permute(1, 3, 0, 2).reshape(c, D, n * r))  # [c, k, n r]
+            P = P.reshape(c, k, n, r).permute(2, 0, 1, 3)  # [n, c, k, r]
+            gram = B @ B.transpose(-1, -2)  # [n, c, r, r]
+            sq = x.square().sum(-1)[None] - 2.0 * (P * A).sum(-1) + ((A @ gram) * A).sum(-1)
+            out[self.low] = sq.clamp_min(0.0)
+        if self.dense:
+            out[self.dense] = (x[None] - self._dense(layers)).square().sum(-1)
+        return out
+
     def mix(self, weights: torch.Tensor, layers: slice) -> torch.Tensor:
         """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D]; weights: [N, c, k].
 
