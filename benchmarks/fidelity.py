@@ -331,6 +331,16 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         tot = sum(t["shared_tokens"] for t in ts)
         return _r(sum(t["shared_reused"] for t in ts) / tot) if tot else None
 
+    def entropies(kind):
+        """Gate entropies of one slot kind (``q``: the question, ``out``: agent outputs)."""
+        vals = sorted(s["entropy"] for t in later for s in t["segments"]
+                      if s.get("entropy") is not None and (s["slot"] == "q") == (kind == "q"))
+        if not vals:
+            return None
+        q = lambda f: vals[min(len(vals) - 1, int(f * len(vals)))]  # noqa: E731
+        return {"n": len(vals), "p10": _r(q(0.1)), "p50": _r(q(0.5)), "p90": _r(q(0.9)),
+                "max": _r(vals[-1]), "distinct": len(set(vals))}
+
     return {
         "tasks": len(ok),
         "failed_tasks": len(runs) - len(ok),
@@ -387,6 +397,8 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
         "corrections_accepted": sum(t["corrections_accepted"] for t in turns),
         "corrections_rejected": sum(t["corrections_rejected"] for t in turns),
         "gates": dict(gates),
+        "entropy_q": entropies("q"),
+        "entropy_out": entropies("out"),
         "modes_later": dict(modes),
         "accuracy": _r(mean(float(r["correct"]) for r in ok)),
         "mean_turn_latency_s": _r(mean(t["latency_s"] for t in turns), 3),
@@ -421,6 +433,13 @@ def markdown_table(summary: Dict[str, Dict[str, Any]], lora: bool = False) -> st
                 v = s.get(key)
                 row.append("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
         lines.append("| " + " | ".join(row) + " |")
+    gated = {label: s for label, s in summary.items() if s.get("entropy_q") or s.get("entropy_out")}
+    if gated and not lora:
+        lines += ["", "gate entropy of the later agents' segments by slot kind (p10 / p50 / p90, distinct "
+                  "values of n):", "", "| method | question slot | output slots |", "|---|---|---|"]
+        for label, s in gated.items():
+            cell = lambda e: "-" if not e else f"{e['p10']:.3g} / {e['p50']:.3g} / {e['p90']:.3g} ({e['distinct']} of {e['n']})"  # noqa: E731
+            lines.append(f"| {label} | {cell(s.get('entropy_q'))} | {cell(s.get('entropy_out'))} |")
     return "\n".join(lines)
 
 

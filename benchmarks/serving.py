@@ -67,6 +67,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,9 +115,10 @@ RATIO_KEYS = (
 # ----------------------------------------------------------------------------- workload
 
 
-def make_roles(n_agents: int, kind: str = "prompt") -> tuple[List[Role], Role]:
+def make_roles(n_agents: int, kind: str = "prompt", prefix: str = "") -> tuple[List[Role], Role]:
     """``n_agents - 1`` task agents ``agent0..`` (distinct system prompts) and the final agent;
-    ``kind="lora"``: the three adapter agents of ``lora_conversation_roles`` (one growing chat)."""
+    ``kind="lora"``: the three adapter agents of ``lora_conversation_roles`` (one growing chat).
+    ``prefix`` renames the prompt agents (other roles: ``<prefix>agent0``, ``<prefix>final``)."""
     if kind == "lora":
         roles = lora_conversation_roles()
         if n_agents != len(roles.roles):
@@ -124,13 +126,15 @@ def make_roles(n_agents: int, kind: str = "prompt") -> tuple[List[Role], Role]:
         return list(roles.task_roles), roles.final_role
     if n_agents < 2:
         raise ValueError("a workflow needs at least 2 agents (one task agent and the final agent)")
+    shift = 3 if prefix else 0  # other roles: other specialties too
     task = [
-        Role(name=f"agent{i}", title=f"Agent {i}",
-             system_prompt=f"You are agent {i}, a {SPECIALTIES[i % len(SPECIALTIES)]}. Answer briefly.")
+        Role(name=f"{prefix}agent{i}", title=f"Agent {i}",
+             system_prompt=f"You are agent {i}, a {SPECIALTIES[(i + shift) % len(SPECIALTIES)]}. Answer briefly.")
         for i in range(n_agents - 1)
     ]
-    final = Role(name=FINAL, title="Final", glue_template="\n\n{source} answered:\n",
-                 system_prompt="You are the final decision-maker. Read the other agents and answer.",
+    final = Role(name=prefix + FINAL, title="Final", glue_template="\n\n{source} answered:\n",
+                 system_prompt=("You are the moderator. Weigh the answers above." if prefix else
+                                "You are the final decision-maker. Read the other agents and answer."),
                  closing_instruction="\n\nGive the final answer.")
     return task, final
 
@@ -180,6 +184,7 @@ class PointSpec:
     output_len: int
     seed: int
     kind: str = "prompt"
+    prefix: str = ""
 
 
 def arrival_offsets(rate: float, n: int, seed: int) -> Optional[List[float]]:
@@ -351,7 +356,7 @@ class MemorySampler:
 
 def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: float, on_request) -> List[Dict[str, Any]]:
     """All turns of one workflow in order; returns one record per request (stops at an error)."""
-    task_roles, final = make_roles(spec.agents, spec.kind)
+    task_roles, final = make_roles(spec.agents, spec.kind, spec.prefix)
     roles = {r.name: r for r in task_roles + [final]}
     schedule = build_schedule("loop", [r.name for r in task_roles], final.name, spec.rounds)
     outputs: List[str] = []
@@ -372,7 +377,8 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             on_request()
             break
         meta, kv = res["meta"], kvshare_of(res["meta"])
-        shared_tok = sum(s["tokens"] for s in kv.get("segments", []) if s.get("shared"))
+        segs = kv.get("segments", [])
+        shared_tok = sum(s["tokens"] for s in segs if s.get("shared"))
         # selective recomputation: count the reused fraction of a recomputed segment's token-layers
         partly_reused = sum(recomputed_reuse(s) for s in kv.get("segments", []))
         rec.update(
@@ -382,6 +388,11 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             computed_tokens=kv.get("computed_tokens"), reused_tokens=kv.get("reused_tokens", 0) + partly_reused,
             injected_tokens=kv.get("injected_tokens", 0),
             shared_tokens=shared_tok, has_kvshare=bool(kv),
+            accepted=kv.get("corrections_accepted", 0), rejected=kv.get("corrections_rejected", 0),
+            correction_ms=kv.get("correction_ms"),
+            gates=[s["gate"] for s in segs if "gate" in s],
+            anchor_bytes_per_token=[s["anchor_bytes_per_token"] for s in segs if "anchor_bytes_per_token" in s],
+            kv_bytes_per_token=kv.get("kv_bytes_per_token"),
         )
         records.append(rec)
         outputs.append(res["text"])
@@ -448,6 +459,8 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         return None if not rows or any(v is None for v in vals) else int(sum(vals))
 
     out_tok, prompt_tok = total("completion_tokens"), total("prompt_tokens")
+    bpt = [b for r in ok for b in r.get("anchor_bytes_per_token", [])]
+    kv_bpt = [r["kv_bytes_per_token"] for r in ok if r.get("kv_bytes_per_token")]
     shared, reused = total("shared_tokens"), total("reused_tokens")
     shared_l, reused_l = total("shared_tokens", later), total("reused_tokens", later)
     injected = total("injected_tokens")
@@ -470,6 +483,14 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "rho": (reused / shared) if shared else None,
         "rho_injected": (injected / shared) if shared and injected is not None else None,
         "rho_later": (reused_l / shared_l) if shared_l else None,
+        "corrections_accepted": sum(r.get("accepted", 0) for r in ok),
+        "corrections_rejected": sum(r.get("rejected", 0) for r in ok),
+        "gates": dict(sorted(Counter(g for r in ok for g in r.get("gates", [])).items())),
+        "correction_ms": pct([r["correction_ms"] for r in later if r.get("correction_ms") is not None]),
+        "anchor_bytes_per_token": statistics.fmean(bpt) if bpt else None,
+        "kv_bytes_per_token": kv_bpt[0] if kv_bpt else None,
+        "requests_log": [{k: r.get(k) for k in ("turn", "agent", "ttft_s", "reused_tokens", "shared_tokens",
+                                                 "accepted", "rejected", "end")} for r in ok],
         "rss_baseline_mb": mem.baseline, "peak_rss_mb": mem.peak_rss,
         "peak_rss_delta_mb": (mem.peak_rss - mem.baseline) if mem.baseline is not None else None,
         "peak_gpu_mb": mem.peak_gpu,
@@ -504,24 +525,65 @@ def ratios(by_method: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Optional
 
 
 class Runner:
+    """Runs the points of one server; every workflow gets a context of its own (no context is
+    seen twice by the server), and each correction method's anchor pools are warmed up with
+    ``--warmup-workflows`` workflows of the same shape before its first measured point of a
+    context length. ``timeline`` keeps every request (warm-up and pre-serve included)."""
+
     def __init__(self, args, url: str, tok, pid: Optional[int], bar):
         self.args, self.url, self.tok, self.pid, self.bar = args, url, tok, pid, bar
         self._contexts: Dict[tuple, List[str]] = {}
+        self._warm: set = set()
+        self.timeline: List[Dict[str, Any]] = []
 
-    def contexts(self, n_tokens: int, n: int) -> List[str]:
-        key = (n_tokens, n)
+    def contexts(self, n_tokens: int, n: int, tag: str) -> List[str]:
+        key = (n_tokens, n, tag)
         if key not in self._contexts:
-            self._contexts[key] = [make_context(self.tok, n_tokens, f"{n_tokens}-{k}") for k in range(n)]
+            self._contexts[key] = [make_context(self.tok, n_tokens, f"{n_tokens}-{tag}-{k}") for k in range(n)]
         return self._contexts[key]
+
+    def _log(self, phase: str, res: Dict[str, Any]) -> None:
+        for r in res.pop("requests_log"):
+            self.timeline.append({"phase": phase, "context": res["context"], "rate": res["rate"],
+                                  "method": res["method"], **r})
+
+    def run(self, spec: PointSpec, tag: str, phase: str, timeout=None) -> Dict[str, Any]:
+        res = run_point(self.url, spec, self.contexts(spec.context, spec.workflows, tag),
+                        self.pid if phase == "measured" else None, timeout or self.args.request_timeout, self.bar)
+        self._log(phase, res)
+        return res
+
+    def warm_up(self, context: int, method: str, agents: int, rounds: int) -> None:
+        """``--warmup-workflows`` single-stream workflows, not recorded (correction methods)."""
+        from sglang_kvshare.methods import get_method
+
+        n = self.args.warmup_workflows
+        if n <= 0 or (context, method) in self._warm or get_method(method).corrector is None:
+            return
+        self._warm.add((context, method))
+        self.bar.set_description(f"warm-up ctx {context} {method} ({n} workflows)")
+        spec = PointSpec(context, 0.0, method, agents, rounds, n, self.args.output_len, 0, self.args.agent_kind)
+        self.run(spec, "warmup", "warmup")
+
+    def pre_serve(self) -> None:
+        """``--pre-serve`` workflows of other roles, short contexts and other correction methods
+        first: the server the user meets has been up for a while."""
+        n = self.args.pre_serve
+        methods = ("kvcmas", "kvcmas_plus", "kvcomm", "graphflow")
+        for k in range(n):
+            self.bar.set_description(f"pre-serve {k + 1}/{n}")
+            spec = PointSpec(300 + 100 * (k % 2), 0.0, methods[k % len(methods)], 3, 1, 1, self.args.output_len, k,
+                             self.args.agent_kind, prefix="other_")
+            self.run(spec, f"pre{k}", "pre-serve")
 
     def point(self, context: int, rate: float, agents: int, rounds: int, workflows: int, seed: int) -> Dict[str, Any]:
         by_method = {}
         for method in self.args.methods:
+            self.warm_up(context, method, agents, rounds)
             spec = PointSpec(context, rate, method, agents, rounds, workflows, self.args.output_len, seed,
                              self.args.agent_kind)
             self.bar.set_description(f"ctx {context} rate {rate} a{agents} r{rounds} {method}")
-            by_method[method] = run_point(self.url, spec, self.contexts(context, workflows), self.pid,
-                                          self.args.request_timeout, self.bar)
+            by_method[method] = self.run(spec, f"r{rate}-a{agents}-r{rounds}", "measured")
         return {"context": context, "rate": rate, "agents": agents, "rounds": rounds,
                 "methods": by_method, "ratios": ratios(by_method)}
 
@@ -547,6 +609,29 @@ def qps_sweep(runner: Runner, args) -> tuple[List[Dict[str, Any]], List[Dict[str
                             for r in args.rates[ri + 1:]]
                 break
     return points, skipped
+
+
+def saturation(points: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, Optional[float]]]]:
+    """Per context and method: the highest rate measured before the first saturated one
+    (``sustained``) and that first saturated rate (None: never saturated in the sweep), plus
+    ``sustained`` over nonshared's."""
+    out: Dict[str, Dict[str, Dict[str, Optional[float]]]] = {}
+    for p in sorted(points, key=lambda p: (p["context"], p["rate"])):
+        if p["rate"] <= 0:
+            continue
+        ctx = out.setdefault(str(p["context"]), {})
+        for m, res in p["methods"].items():
+            row = ctx.setdefault(m, {"sustained": None, "first_saturated": None})
+            if row["first_saturated"] is None:
+                if res.get("saturated"):
+                    row["first_saturated"] = p["rate"]
+                else:
+                    row["sustained"] = p["rate"]
+    for ctx in out.values():
+        base = (ctx.get(BASELINE) or {}).get("sustained")
+        for row in ctx.values():
+            row["sustained_vs_nonshared"] = (row["sustained"] / base) if base and row["sustained"] else None
+    return out
 
 
 def scaling_sweeps(runner: Runner, args) -> Dict[str, List[Dict[str, Any]]]:
@@ -592,6 +677,31 @@ def markdown(results: Dict[str, Any]) -> str:
                 f"{_fmt(ra.get('peak_rss_mb'), '.3f')} | {_fmt(r['peak_kv_tokens'], '.0f')} | "
                 f"{_fmt(ra.get('peak_kv_tokens'), '.2f')} | {_fmt(r['rho'], '.2f')} | {'yes' if r.get('saturated') else ''} |"
             )
+    lines += ["", "later agents (turns after the first): TTFT p50 as a ratio to nonshared and to fullshared; "
+              "rho_later = reused / shared tokens of those turns; corrections accepted / gated; correction "
+              "ms p50; anchor bytes per token (one anchor) vs KV bytes per token:", "",
+              "| ctx | rate | method | later TTFT p50 s | vs nonshared | vs fullshared | rho_later | accepted | "
+              "corr ms p50 | anchor B/tok | KV B/tok |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in results["qps_sweep"]:
+        base = {m: get_path(r, "ttft_later_s.p50") for m, r in p["methods"].items()}
+        for m, r in p["methods"].items():
+            t = base[m]
+            vs = lambda other: (t / base[other]) if t is not None and base.get(other) else None  # noqa: E731
+            gated = r.get("corrections_accepted", 0) + r.get("corrections_rejected", 0)
+            lines.append(
+                f"| {p['context']} | {p['rate']:g} | {m} | {_fmt(t)} | {_fmt(vs('nonshared'), '.2f')} | "
+                f"{_fmt(vs('fullshared'), '.2f')} | {_fmt(r.get('rho_later'), '.2f')} | "
+                f"{r.get('corrections_accepted', 0)}/{gated} | {_fmt(get_path(r, 'correction_ms.p50'), '.0f')} | "
+                f"{_fmt(r.get('anchor_bytes_per_token'), '.0f')} | {_fmt(r.get('kv_bytes_per_token'), '.0f')} |"
+            )
+    sat = results.get("saturation") or {}
+    if sat:
+        lines += ["", "saturation (highest rate sustained before the first saturated one; wf/s):", "",
+                  "| ctx | method | sustained | first saturated | sustained vs nonshared |", "|---:|---|---:|---:|---:|"]
+        for ctx, rows in sat.items():
+            for m, row in rows.items():
+                lines.append(f"| {ctx} | {m} | {_fmt(row['sustained'], 'g')} | {_fmt(row['first_saturated'], 'g')} | "
+                             f"{_fmt(row['sustained_vs_nonshared'], '.2f')} |")
     for kind, pts in results.get("scaling", {}).items():
         if not pts:
             continue
@@ -701,6 +811,12 @@ def plot(results: Dict[str, Any], out: Path) -> List[Path]:
         plt.close(fig)
         paths.append(p)
 
+    timeline = [r for r in results.get("timeline", []) if r.get("turn", 0) > 0]
+    if timeline:
+        p = out.with_name(out.stem + "_acceptance.png")
+        plot_timeline(timeline, p, title)
+        paths.append(p)
+
     sc = {k: v for k, v in results.get("scaling", {}).items() if v}
     if sc:
         fig, axes = plt.subplots(2, 2 * len(sc), figsize=(4.2 * 2 * len(sc), 6.5), squeeze=False, sharex="col")
@@ -720,6 +836,44 @@ def plot(results: Dict[str, Any], out: Path) -> List[Path]:
     return paths
 
 
+def plot_timeline(timeline: List[Dict[str, Any]], path: Path, title: str, window: int = 10) -> None:
+    """Per correction method: the share of gated corrections accepted and rho (reused / shared
+    tokens) of the later agents, as a moving average over ``window`` requests in the order they
+    ran (warm-up, pre-serve and measured requests alike; phases shaded)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in dict.fromkeys(r["method"] for r in timeline)
+               if any(r.get("accepted") or r.get("rejected") for r in timeline if r["method"] == m)]
+    if not methods:
+        methods = list(dict.fromkeys(r["method"] for r in timeline))
+    fig, axes = plt.subplots(len(methods), 1, figsize=(9, 2.6 * len(methods)), squeeze=False)
+    for ax, m in zip(axes[:, 0], methods):
+        rows = [r for r in timeline if r["method"] == m]
+        xs = list(range(len(rows)))
+
+        def moving(vals):
+            return [statistics.fmean(vals[max(0, i - window + 1): i + 1]) for i in range(len(vals))]
+
+        acc = [(r.get("accepted") or 0) / max(1, (r.get("accepted") or 0) + (r.get("rejected") or 0)) for r in rows]
+        rho = [(r.get("reused_tokens") or 0) / max(1, r.get("shared_tokens") or 0) for r in rows]
+        ax.plot(xs, moving(acc), label="accepted / gated")
+        ax.plot(xs, moving(rho), label="rho (later agents)")
+        for i, r in enumerate(rows):
+            if r["phase"] != "measured":
+                ax.axvspan(i - 0.5, i + 0.5, color="0.9", lw=0)
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel(m)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[-1, 0].set_xlabel(f"later-agent request, in run order (moving mean of {window}; grey: warm-up / pre-serve)")
+    fig.suptitle(f"Corrections accepted and reuse over the run ({title})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -732,7 +886,7 @@ def _ints(s: str) -> List[int]:
 
 
 QUICK = dict(contexts=[128, 256], rates=[0.5], workflows=2, output_len=4, base_agents=3, agents=[2], rounds=[2],
-             scaling_workflows=1, scaling_rate=0.0, scaling_context=128)
+             scaling_workflows=1, scaling_rate=0.0, scaling_context=128, warmup_workflows=2)
 
 
 def parse_args(argv=None):
@@ -762,7 +916,13 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the one short workflow per method that warms the engine")
+    ap.add_argument("--warmup-workflows", type=int, default=10,
+                    help="workflows (own contexts, same shape, single stream, not recorded) that warm each "
+                         "correction method's anchor pools before its first point of a context length")
+    ap.add_argument("--pre-serve", type=int, default=0,
+                    help="first serve this many workflows of other roles, 300-400-token contexts and the "
+                         "correction methods kvcmas, kvcmas_plus, kvcomm, graphflow (a long-lived server)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("results/serving.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw plots and table from --out")
@@ -815,6 +975,11 @@ def main(argv=None) -> Dict[str, Any]:
         total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
         total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
         total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
+        from sglang_kvshare.methods import get_method
+
+        correcting = [m for m in args.methods if get_method(m).corrector is not None]
+        total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
+        total += args.pre_serve * turns_of(3, 1)
         t0 = time.time()
         with tqdm(total=total, unit="req") as bar:
             runner = Runner(args, url, tok, pid, bar)
@@ -824,6 +989,7 @@ def main(argv=None) -> Dict[str, Any]:
                     spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind == "lora" else 2, 1, 1, 2, 0,
                                      args.agent_kind)
                     run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
+            runner.pre_serve()
             points, skipped = qps_sweep(runner, args)
             scaling = scaling_sweeps(runner, args)
         results = {
@@ -838,7 +1004,9 @@ def main(argv=None) -> Dict[str, Any]:
             "host": {"machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version()},
             "wall_s": time.time() - t0,
             "qps_sweep": points,
+            "saturation": saturation(points),
             "skipped": skipped,
+            "timeline": runner.timeline,
             "scaling": scaling,
         }
     finally:

@@ -85,6 +85,8 @@ class CorrectionResult:
     reason: a short machine-readable word: "accepted", "few_anchors", "entropy", "no_relation", ...
     delta: when accepted, the correction of rows ``:corrected_len`` relative to the base cache
         (the source when ``chained``, else the reference).
+    anchor_bytes_per_token: the footprint of one anchor that took part (its base and the
+        target's delta) per token it covers, averaged over those anchors (None when none did).
     """
 
     accepted: bool
@@ -94,10 +96,14 @@ class CorrectionResult:
     corrected_len: int
     reason: str
     delta: Optional[KVDelta] = None
+    anchor_bytes_per_token: Optional[float] = None
 
     @staticmethod
-    def reject(reason: str, entropy: Optional[float] = None, num_anchors: int = 0) -> "CorrectionResult":
-        return CorrectionResult(False, None, entropy, num_anchors, 0, reason)
+    def reject(
+        reason: str, entropy: Optional[float] = None, num_anchors: int = 0, anchor_bytes_per_token=None
+    ) -> "CorrectionResult":
+        return CorrectionResult(False, None, entropy, num_anchors, 0, reason,
+                                anchor_bytes_per_token=anchor_bytes_per_token)
 
 
 class Corrector(ABC):

@@ -231,20 +231,22 @@ class AnchorPoolCorrector(Corrector):
         tau: float,
     ) -> CorrectionResult:
         members, k, reason = self.members(slot, target_agent, base.seq_len)
+        per_token = _bytes_per_token(members, target_agent)
         if reason:
-            return CorrectionResult.reject(reason, num_anchors=len(members))
+            return CorrectionResult.reject(reason, num_anchors=len(members), anchor_bytes_per_token=per_token)
         sq, dist_v = self._value_distances(base, members, k)
         entropy = None
         if len(members) >= 2:
             T = self.config.gate_temperature or self.config.temperature
             _, entropy = gate(self._gate_scaled(sq.sqrt()), T)
             if entropy > tau:
-                return CorrectionResult.reject("entropy", entropy, len(members))
+                return CorrectionResult.reject("entropy", entropy, len(members), per_token)
         delta = self._delta(base, members, target_agent, k, dist_v, edge)
         for a in members:
             a.use_count += 1
         kv = apply_delta(base, source, delta, k) if materialize else None
-        return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta)
+        return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta,
+                                anchor_bytes_per_token=per_token)
 
     def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:
         base = self._base(source, reference)
@@ -348,3 +350,14 @@ class AnchorPoolCorrector(Corrector):
     ) -> torch.Tensor:
         """Final delta [c, k, D] of a block of layers (which: 0 keys, 1 values) from the mix."""
         return mix
+
+
+def _bytes_per_token(members: List[Anchor], target_agent: str) -> Optional[float]:
+    """Mean over ``members`` of (base + the target's delta) bytes per covered token."""
+    if not members:
+        return None
+    total = 0.0
+    for a in members:
+        dk, dv = a.deltas[target_agent]
+        total += (a.base_k.nbytes + a.base_v.nbytes + dk.nbytes + dv.nbytes) / a.seq_len
+    return total / len(members)

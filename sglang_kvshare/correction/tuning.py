@@ -7,7 +7,8 @@ instead, and guards quality with measured errors.
 - ``target_rho``: tau is the token-weighted ``target_rho`` quantile of the gate entropies of the
   last ``window`` gated segments, so about that fraction of the gated shared tokens is accepted
   (the least ambiguous matches first). Segments that could not be gated (fewer than two
-  anchors) are outside its reach. Until ``min_samples`` gates were seen, the static tau holds.
+  anchors) are outside its reach. Before the first gate, every correction is accepted (tau 1):
+  a fresh server reuses from the first segment with two anchors, and the window fills as it goes.
 - Error guard (the shadow-dense monitor feeds it): a measured relative KV error above
   ``max_error`` caps tau below the entropy of the correction that erred (x ``backoff``); each
   measurement within bound lets the cap recover by ``recovery`` of its distance to 1.
@@ -28,7 +29,6 @@ class TauController:
         target_rho: Optional[float] = None,
         max_error: Optional[float] = None,
         window: int = 256,
-        min_samples: int = 8,
         backoff: float = 0.9,
         recovery: float = 0.05,
     ) -> None:
@@ -39,7 +39,6 @@ class TauController:
         self.base_tau = tau
         self.target_rho = target_rho
         self.max_error = max_error
-        self.min_samples = min_samples
         self.backoff, self.recovery = backoff, recovery
         self.cap = 1.0
         self._gates: Deque[Tuple[float, int]] = deque(maxlen=window)
@@ -50,8 +49,8 @@ class TauController:
     def tau(self) -> float:
         """The threshold to gate with now."""
         tau = self.base_tau
-        if self.target_rho is not None and len(self._gates) >= self.min_samples:
-            tau = _weighted_quantile(self._gates, self.target_rho)
+        if self.target_rho is not None:
+            tau = _weighted_quantile(self._gates, self.target_rho) if self._gates else 1.0
         return min(tau, self.cap)
 
     def observe_gate(self, entropy: float, tokens: int) -> None:

@@ -93,6 +93,12 @@ def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: in
         kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)
 
 
+def kv_bytes_per_token(pool) -> int:
+    """K + V bytes one token takes in the KV pool (all layers)."""
+    return sum(k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
+               for k, v in kv_layers(pool))
+
+
 def _locate(tree, rec: SourceRecord, n: int):
     found = tree.find_source(rec, n)
     if found is None or len(found[1]) < n:
@@ -144,6 +150,9 @@ def correct_segment(
             "anchors": result.num_anchors,
             "corrected_rows": result.corrected_len,
         }
+        if result.anchor_bytes_per_token is not None:
+            record["anchor_bytes_per_token"] = round(result.anchor_bytes_per_token, 1)
+        st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
         shadow = result.accepted and ctx.args.shadow_fraction > 0 and ctx.rng.random() < ctx.args.shadow_fraction
         if not result.accepted or shadow:

@@ -45,6 +45,7 @@ class ReqShareState:
     first_prefix_len: Optional[int] = None
     anchor_bytes: Optional[int] = None  # bytes of the method's correction state, last seen
     correction_ms: float = 0.0  # scheduler time spent gathering, gating, correcting, writing
+    kv_bytes_per_token: Optional[int] = None  # of the KV pool, set by a correction
     computed_tokens: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -122,6 +123,8 @@ class ReqShareState:
             )
         if self.method.corrector:
             self.meta["correction_ms"] = round(self.correction_ms, 3)
+            if self.kv_bytes_per_token is not None:
+                self.meta["kv_bytes_per_token"] = self.kv_bytes_per_token
         if self.anchor_bytes is not None:
             self.meta["anchor_bytes"] = self.anchor_bytes
         return self.meta

@@ -1,0 +1,189 @@
+"""What long-running serving needs of the correctors: batched factor math, one byte budget over
+all pools, the online tau, warm-start state, the split observe, the uncovered rows."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from sglang_kvshare.correction import SegmentKV, create_corrector, store
+from sglang_kvshare.correction.gate import gate, relative_distances
+from sglang_kvshare.correction.pool import evict_lfu_oldest
+from sglang_kvshare.correction.tuning import TauController
+from sglang_kvshare.lowrank import Dense, FactorBatch, LowRank, truncated_svd
+
+N_LAYERS, D = 3, 12
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _kv(L, seed):
+    return SegmentKV(_randn(N_LAYERS, L, D, seed=seed), _randn(N_LAYERS, L, D, seed=seed + 1000))
+
+
+# ---- lowrank: the Gram/eigh SVD and FactorBatch -----------------------------------------
+def test_gram_factorisation_matches_the_svd_on_tall_matrices():
+    Z = _randn(4, 60, 10, seed=1) @ _randn(4, 10, 10, seed=2)
+    f = truncated_svd(Z, 5)
+    U, S, Vh = torch.linalg.svd(Z, full_matrices=False)
+    ref = (U[..., :5] * S[..., None, :5]) @ Vh[..., :5, :]
+    torch.testing.assert_close(f.reconstruct(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f.B @ f.B.transpose(-1, -2), torch.eye(5).expand(4, 5, 5), atol=1e-5, rtol=0)
+
+
+def _members():
+    """Low-rank members of two ranks (padding) and a dense one, all [N_LAYERS, 20, D]."""
+    return [truncated_svd(_randn(N_LAYERS, 20, D, seed=3), 4), truncated_svd(_randn(N_LAYERS, 20, D, seed=4), 2),
+            Dense(_randn(N_LAYERS, 20, D, seed=5)), truncated_svd(_randn(N_LAYERS, 25, D, seed=6), 3)]
+
+
+def test_factor_batch_equals_member_by_member_math():
+    members, k, layers = _members(), 17, slice(1, 3)
+    fb = FactorBatch(members, k)
+    recs = torch.stack([m[layers].reconstruct(k) for m in members])  # [N, c, k, D]
+    torch.testing.assert_close(fb.reconstruct(layers), recs, atol=1e-5, rtol=0)
+    x = _randn(2, k, D, seed=7)
+    torch.testing.assert_close(fb.sq_distances(x, layers), (x[None] - recs).square().sum(-1), atol=1e-3, rtol=1e-4)
+    w = torch.softmax(_randn(len(members), 2, k, seed=8), 0)
+    torch.testing.assert_close(fb.mix(w, layers), (w[..., None] * recs).sum(0), atol=1e-5, rtol=0)
+
+
+def test_half_precision_factors_change_the_correction_little():
+    src = _kv(40, 10)
+    results = []
+    for dtype in (torch.float32, torch.float16):
+        c = create_corrector("kvcmas", tau=1.0, rank_base=4, rank_delta=4, factor_dtype=dtype)
+        for i in range(3):
+            base = _kv(40, 20 + i)
+            c.observe("q", "a", "b", base, SegmentKV(base.k + 0.1, base.v - 0.1))
+        results.append(c.correct("q", "a", "b", src).kv)
+    err = (results[0].v - results[1].v).norm() / results[0].v.norm()
+    assert 0 < err < 1e-3
+
+
+# ---- the gate's scale -------------------------------------------------------------------
+def test_relative_distances_make_the_entropy_length_free():
+    """The same relative separation gives the same entropy on any segment length, where eq. 9's
+    raw distances (which grow with sqrt(rows)) drive it to 0 on long segments."""
+    for rows in (10, 1000):
+        d = torch.tensor([1.0, 1.02, 1.05]) * math.sqrt(rows)
+        _, h_rel = gate(relative_distances(d), 0.02)
+        assert h_rel == pytest.approx(gate(torch.tensor([1.0, 1.02, 1.05]), 0.02)[1], rel=1e-6)
+    assert gate(torch.tensor([1.0, 1.02, 1.05]) * math.sqrt(1000) * 100)[1] < 1e-6  # raw, long: one-hot
+    assert relative_distances(torch.tensor([0.0, 2.0]))[1] > 1e9  # an exact match dominates
+
+
+# ---- one byte budget over all pools -------------------------------------------------------
+def test_budget_eviction_is_lfu_among_the_oldest_of_all_pools_and_keeps_the_new_anchor():
+    c = create_corrector("kvcmas", rank_base=2, rank_delta=2)
+    c.observe("out:a", "a", "b", _kv(8, 1), _kv(8, 2))  # short, old, used
+    c.observe("q", "a", "b", _kv(60, 3), _kv(60, 4))  # long, older than the next two
+    c.observe("out:a", "a", "b", _kv(8, 5), _kv(8, 6))
+    c.pool("out:a").anchors[0].use_count = 3
+    new = c.record(c.prepare("q", "a", "b", _kv(60, 7), _kv(60, 8)))
+    total = c.nbytes()
+    evicted = evict_lfu_oldest([c], total - 1, keep=[new])
+    # the least used of the oldest: the old long anchor (0 uses), not the used short one
+    assert evicted == 1 and len(c.pool("q")) == 1 and c.pool("q").anchors[0] is new
+    assert len(c.pool("out:a")) == 2
+    assert evict_lfu_oldest([c], 0, keep=[new]) == 2 and c.stats()["num_anchors"] == 1
+
+
+def test_prepare_then_record_is_observe_and_prepare_is_pure():
+    a = create_corrector("kvcmas", rank_base=3, rank_delta=3)
+    b = create_corrector("kvcmas", rank_base=3, rank_delta=3)
+    src, tgt = _kv(30, 1), _kv(30, 2)
+    before = (src.k.clone(), tgt.v.clone())
+    a.observe("q", "x", "y", src, tgt)
+    prepared = b.prepare("q", "x", "y", src, tgt)
+    assert b.stats()["num_anchors"] == 0  # nothing recorded yet
+    b.record(prepared)
+    assert torch.equal(src.k, before[0]) and torch.equal(tgt.v, before[1])
+    a.observe("q", "x", "y", _kv(30, 3), _kv(30, 4))
+    b.observe("q", "x", "y", _kv(30, 3), _kv(30, 4))
+    probe = _kv(30, 5)
+    ra, rb = a.correct("q", "x", "y", probe, tau=1.0), b.correct("q", "x", "y", probe, tau=1.0)
+    assert ra.accepted and torch.equal(ra.kv.k, rb.kv.k)
+    assert ra.anchor_bytes_per_token == pytest.approx(a.nbytes() / 2 / 30)
+
+
+# ---- rows no anchor covers ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["kvcmas_nonchained", "graphflow"])
+def test_non_chained_methods_keep_the_source_beyond_the_covered_rows(name):
+    c = create_corrector(name) if name == "graphflow" else create_corrector(name, tau=1.0)
+    for i in range(2):
+        c.observe("q", "a", "b", _kv(6, 30 + i), _kv(6, 40 + i), reference=_kv(6, 50 + i))
+    src, ref = _kv(10, 1), _kv(10, 2)
+    r = c.correct("q", "a", "b", src, reference=ref)
+    assert r.accepted and r.corrected_len == 6
+    assert torch.equal(r.kv.k[:, 6:], src.k[:, 6:]) and torch.equal(r.kv.v[:, 6:], src.v[:, 6:])
+    torch.testing.assert_close(r.kv.v[:, :6], ref.v[:, :6] + r.delta.v)
+
+
+def test_kvcomm_corrects_only_segments_two_anchors_cover_entirely():
+    c = create_corrector("kvcomm", tau=1.0)
+    for i in range(2):
+        c.observe("q", "a", "b", _kv(6, 30 + i), _kv(6, 40 + i), reference=_kv(6, 50 + i))
+    assert c.correct("q", "a", "b", _kv(10, 1), reference=_kv(10, 2)).reason == "coverage"
+    assert c.correct("q", "a", "b", _kv(5, 1), reference=_kv(5, 2)).accepted
+
+
+# ---- the online tau --------------------------------------------------------------------------
+def test_tau_controller_holds_the_token_weighted_reuse_target():
+    c = TauController(0.3, target_rho=0.75)
+    assert c.tau() == 1.0  # no gate seen yet: accept
+    c.observe_gate(0.9, 100)
+    assert c.tau() == 0.9
+    for h, n in [(0.5, 100), (0.7, 100), (0.95, 100)]:
+        c.observe_gate(h, n)
+    assert c.tau() == 0.9  # 0.5, 0.7, 0.9 cover 75 % of the tokens
+    c.observe_gate(0.1, 400)  # a long segment weighs more
+    assert c.tau() == 0.7
+    with pytest.raises(ValueError):
+        TauController(0.3, target_rho=0.0)
+
+
+def test_tau_controller_error_guard_caps_and_recovers():
+    c = TauController(0.8, max_error=0.05)
+    c.observe_error(0.6, 0.2)  # a correction accepted at entropy 0.6 erred
+    assert c.tau() == pytest.approx(0.54) and c.num_violations == 1
+    c.observe_error(0.3, 0.01)
+    assert 0.54 < c.tau() < 0.8
+    assert TauController(0.3).tau() == 0.3  # no target: the fixed tau
+    unguarded = TauController(0.8)
+    unguarded.observe_error(0.6, 0.9)
+    assert unguarded.tau() == 0.8 and unguarded.last_error == 0.9
+
+
+# ---- warm start -------------------------------------------------------------------------------
+def test_pool_file_round_trip_and_refusals(tmp_path):
+    c = create_corrector("kvcmas", rank_base=2, rank_delta=2, factor_dtype=torch.float16)
+    g = create_corrector("graphflow")
+    for i in range(3):
+        c.observe("q", "a", "b", _kv(30, i), _kv(30, 10 + i))
+        g.observe("q", "a", "b", _kv(30, i), _kv(30, 10 + i), reference=_kv(30, 20 + i))
+    c.pool("q").anchors[0].use_count = 4
+    path = str(tmp_path / "pool.pt")
+    store.save(path, {"model": "m", "rank": 2}, {"kvcmas": c, "graphflow": g})
+    made = {}
+    n = store.load(path, {"model": "m", "rank": 2}, made, create=lambda name: made.setdefault(
+        name, create_corrector(name, rank_base=2, rank_delta=2, factor_dtype=torch.float16)
+        if name == "kvcmas" else create_corrector(name)))
+    assert n == 4 and made["kvcmas"].nbytes() == c.nbytes() and made["graphflow"].nbytes() == g.nbytes()
+    assert [a.use_count for a in made["kvcmas"].pool("q").anchors] == [4, 0, 0]
+    probe = _kv(30, 99)
+    assert torch.equal(c.correct("q", "a", "b", probe, tau=1.0).kv.v, made["kvcmas"].correct("q", "a", "b", probe, tau=1.0).kv.v)
+    with pytest.raises(store.AnchorPoolFileError, match="rank: file 2, server 3"):
+        store.load(path, {"model": "m", "rank": 3}, {})
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a pool")
+    with pytest.raises(store.AnchorPoolFileError, match="not a readable anchor pool file"):
+        store.read(str(bad))
+    torch.save({"format": "something else"}, tmp_path / "other.pt")
+    with pytest.raises(store.AnchorPoolFileError, match="not an anchor pool file"):
+        store.read(str(tmp_path / "other.pt"))
+    assert not any(p.name.startswith(".pool.pt.tmp") for p in tmp_path.iterdir())
+    assert os.path.getsize(bad) == len(b"not a pool")
