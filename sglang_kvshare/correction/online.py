@@ -51,7 +51,7 @@ from sglang_kvshare.lowrank import Factor, FactorBatch, factorize
 
 Edge = Tuple[str, str, str]  # (slot, source agent, target agent)
 
-_LAYERS_PER_BLOCK = 2  # layers batched together (transient memory O(block x N x k x r))
+_LAYERS_PER_BLOCK = 1  # layers batched together (transient memory O(block x N x k x r))
 
 
 def _blocks(num_layers: int):

@@ -93,7 +93,8 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
     """Rank-``rank`` truncated SVD of Z [..., L, D]: A = U_r Sigma_r, B = R_r^T (KVCMAS eq. 7).
 
     ``rank`` is clipped to min(L, D), so a full-rank request reconstructs Z exactly (up to float32
-    rounding). Factors are stored in ``dtype`` (default: Z.dtype). Z is not mutated.
+    rounding). A is stored in ``dtype`` (default: Z.dtype), B in float32 with orthonormal rows.
+    Z is not mutated.
 
     Tall matrices (L > D, every long segment: D is kv_heads * head_dim) are decomposed through
     their D x D Gram matrix, all matrices of the batch at once: R_r = the top-r eigenvectors of
@@ -118,7 +119,9 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
     else:
         U, S, Vh = torch.linalg.svd(z, full_matrices=False)
         A, B = U[..., :r] * S[..., None, :r], Vh[..., :r, :]
-    return LowRank(A.to(dtype).contiguous(), B.to(dtype).contiguous())
+    # NOTE: B ([r, D], small next to A) stays float32 whatever ``dtype``: its rows stay
+    # orthonormal, which ``FactorBatch.sq_distances`` relies on.
+    return LowRank(A.to(dtype).contiguous(), B.contiguous())
 
 
 def factorize(Z: torch.Tensor, rank: Optional[int], dtype: Optional[torch.dtype] = None) -> Factor:
@@ -149,11 +152,13 @@ def effective_rank(Z: torch.Tensor, energy: float = 0.9) -> Union[int, torch.Ten
 
 
 class FactorBatch:
-    """N factors of one shape [n_layers, >= num_rows, D] used together, as a batch [N, ...].
+    """N factors of one shape [n_layers, >= num_rows, D] used together.
 
-    Low-rank members are stacked (zero-padded to a common rank), dense members stacked apart, so
-    reconstructing or mixing all of them over a range of layers is one batched product, not a
-    loop over layers and members. All results are float32. Reads the factors, never mutates them.
+    The low-rank members (from ``truncated_svd``: B with orthonormal rows) are concatenated along
+    the rank, A_cat = [A_1 | ... | A_N] ([c, k, N r]) and B_cat = [B_1; ...; B_N] ([c, N r, D]),
+    zero-padded to a common rank, so reconstructing, measuring or mixing all of them over a
+    block of layers is one batched product, not a loop over layers and members. Dense members
+    are stacked apart. All results are float32. Reads the factors, never mutates them.
     """
 
     def __init__(self, factors: "list[Factor]", num_rows: int) -> None:
@@ -166,59 +171,56 @@ class FactorBatch:
         return len(self.factors)
 
     def _low(self, layers: slice):
-        """(A [n_low, c, k, r], B [n_low, c, r, D]) of the low-rank members, float32."""
+        """(A_cat [c, k, n r], B_cat [c, n r, D]) of the low-rank members, float32."""
         k, r = self.num_rows, self.rank
-
-        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            extra = r - t.shape[dim]
-            if not extra:
-                return t
-            shape = list(t.shape)
-            shape[dim] = extra
-            return torch.cat([t, t.new_zeros(shape)], dim)
-
-        A = torch.stack([pad(self.factors[i].A[layers, :k], -1) for i in self.low]).float()
-        B = torch.stack([pad(self.factors[i].B[layers], -2) for i in self.low]).float()
-        return A, B
+        As, Bs = [], []
+        for i in self.low:
+            f = self.factors[i]
+            a, b = f.A[layers, :k], f.B[layers]
+            if f.rank < r:
+                a = torch.cat([a, a.new_zeros(*a.shape[:-1], r - f.rank)], -1)
+                b = torch.cat([b, b.new_zeros(*b.shape[:-2], r - f.rank, b.shape[-1])], -2)
+            As.append(a)
+            Bs.append(b)
+        return torch.cat(As, -1).float(), torch.cat(Bs, -2).float()
 
     def _dense(self, layers: slice) -> torch.Tensor:
         return torch.stack([self.factors[i].Z[layers, : self.num_rows] for i in self.dense]).float()
 
+    def _place(self, low: Optional[torch.Tensor], dense: Optional[torch.Tensor]) -> torch.Tensor:
+        """Members back in their order along dim 0 from the two groups."""
+        parts = [p for p in (low, dense) if p is not None]
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        order = self.low + self.dense
+        return out if order == sorted(order) else out[torch.tensor(order).argsort()]
+
     def reconstruct(self, layers: slice) -> torch.Tensor:
         """[N, c, k, D]: every member's first k rows in layers ``layers`` (c layers)."""
-        parts, order = [], []
+        low = None
         if self.low:
             A, B = self._low(layers)
-            parts.append(A @ B)
-            order += self.low
-        if self.dense:
-            parts.append(self._dense(layers))
-            order += self.dense
-        out = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if order != sorted(order):
-            out = out[torch.tensor(order).argsort()]
-        return out
+            c, k, r = A.shape[0], A.shape[1], self.rank
+            n = len(self.low)
+            low = (A.view(c, k, n, r).permute(2, 0, 1, 3) @ B.view(c, n, r, -1).transpose(0, 1))
+        return self._place(low, self._dense(layers) if self.dense else None)
 
     def sq_distances(self, x: torch.Tensor, layers: slice) -> torch.Tensor:
-        """[N, c, k]: ||x[l, t] - Z_v[l, t]||^2 for every member, x: [c, k, D] (float32).
+        """[N, c, k]: ||x[l, t] - Z_v[l, t]||^2 for every member, x: [c, k, D].
 
-        Low-rank members are never reconstructed: with P = x B^T,
-        ||x - A B||^2 = ||x||^2 - 2 <P, A> + <A (B B^T), A> per row, so the cost is one
+        Low-rank members are never reconstructed: with P = x B^T and orthonormal rows of B,
+        ||x - A B||^2 = ||x||^2 - 2 <P, A> + ||A||^2 per row, so the cost is one
         [k, D] @ [D, N r] product per layer and the memory O(N k r), not O(N k D)."""
         x = x.float()
-        c, k, D = x.shape
-        out = torch.empty(len(self), c, k, dtype=torch.float32, device=x.device)
+        c, k, _ = x.shape
+        low = None
         if self.low:
-            A, B = self._low(layers)  # [n, c, k, r], [n, c, r, D]
-            n, r = A.shape[0], A.shape[-1]
-            P = torch.bmm(x, B.permute(1, 3, 0, 2).reshape(c, D, n * r))  # [c, k, n r]
-            P = P.reshape(c, k, n, r).permute(2, 0, 1, 3)  # [n, c, k, r]
-            gram = B @ B.transpose(-1, -2)  # [n, c, r, r]
-            sq = x.square().sum(-1)[None] - 2.0 * (P * A).sum(-1) + ((A @ gram) * A).sum(-1)
-            out[self.low] = sq.clamp_min(0.0)
-        if self.dense:
-            out[self.dense] = (x[None] - self._dense(layers)).square().sum(-1)
-        return out
+            A, B = self._low(layers)
+            n, r = len(self.low), self.rank
+            P = torch.bmm(x, B.transpose(1, 2))  # [c, k, n r]
+            sq = x.square().sum(-1)[..., None] + ((A - 2.0 * P) * A).view(c, k, n, r).sum(-1)
+            low = sq.clamp_min(0.0).permute(2, 0, 1)
+        dense = (x[None] - self._dense(layers)).square().sum(-1) if self.dense else None
+        return self._place(low, dense)
 
     def mix(self, weights: torch.Tensor, layers: slice) -> torch.Tensor:
         """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D]; weights: [N, c, k].
@@ -228,10 +230,10 @@ class FactorBatch:
         out = None
         if self.low:
             A, B = self._low(layers)
-            w = weights[self.low].float()  # [n, c, k]
-            n, c, k, r = A.shape
-            A = (w[..., None] * A).permute(1, 2, 0, 3).reshape(c, k, n * r)
-            out = A @ B.permute(1, 0, 2, 3).reshape(c, n * r, -1)
+            c, k = A.shape[:2]
+            n, r = len(self.low), self.rank
+            w = weights[self.low].float().permute(1, 2, 0)[..., None]  # [c, k, n, 1]
+            out = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B)
         if self.dense:
             w = weights[self.dense].float()
             d = (w[..., None] * self._dense(layers)).sum(0)

@@ -51,7 +51,8 @@ def test_byte_count_and_storage_dtype():
     f32 = truncated_svd(Z, 4)
     assert f32.nbytes == 4 * 2 * (50 * 4 + 4 * 16)
     bf16 = truncated_svd(Z, 4, dtype=torch.bfloat16)
-    assert bf16.A.dtype == torch.bfloat16 and bf16.nbytes == f32.nbytes // 2
+    assert bf16.A.dtype == torch.bfloat16 and bf16.B.dtype == torch.float32  # B stays orthonormal
+    assert bf16.nbytes == f32.nbytes - bf16.A.numel() * 2
     dense = factorize(Z, None)
     assert isinstance(dense, Dense) and dense.nbytes == 4 * 2 * 50 * 16
     assert isinstance(factorize(Z, 4), LowRank)
