@@ -54,6 +54,7 @@ class KVCMASPlusCorrector(AnchorPoolCorrector):
     chained: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = False
     default_config: ClassVar[KVCMASPlusConfig] = KVCMASPlusConfig()
+    keeps_raw_delta: ClassVar[bool] = True  # the edge mean
 
     def __init__(self, config: Optional[KVCMASPlusConfig] = None, **overrides) -> None:
         super().__init__(config, **overrides)

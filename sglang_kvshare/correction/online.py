@@ -112,6 +112,7 @@ class AnchorPoolCorrector(Corrector):
     chained: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = False
     default_config: ClassVar[AnchorPoolConfig] = AnchorPoolConfig()
+    keeps_raw_delta: ClassVar[bool] = False  # ``record`` needs the float32 delta, not only factors
 
     def __init__(self, config: Optional[AnchorPoolConfig] = None, **overrides) -> None:
         self.config = replace(config or self.default_config, **overrides)
@@ -263,7 +264,7 @@ class AnchorPoolCorrector(Corrector):
             base=(self._factorize(base.k, "base", dtype), self._factorize(base.v, "base", dtype)),
             delta=(self._factorize(delta_k, "delta", dtype), self._factorize(delta_v, "delta", dtype)),
             dtype=dtype,
-            raw_delta=(delta_k, delta_v),
+            raw_delta=(delta_k, delta_v) if self.keeps_raw_delta else None,
         )
 
     def record(self, obs: Observation) -> Anchor:
