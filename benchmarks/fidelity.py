@@ -530,8 +530,7 @@ class Backend:
 
         self.dump_root = workdir / f"dumps-{name}"
         self.log_path = workdir / f"server-{name}.log"
-        flags = ["--kvshare-dump-dir", str(self.dump_root), "--max-total-tokens", str(args.max_total_tokens),
-                 "--kvshare-tau", str(args.tau)]
+        flags = ["--kvshare-dump-dir", str(self.dump_root), "--max-total-tokens", str(args.max_total_tokens)]
         if args.agents == "lora":
             flags += ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
                       "--lora-paths", *[f"{n}={p}" for n, p in ADAPTERS.items()]]
@@ -607,8 +606,9 @@ def parse_args(argv=None):
     ap.add_argument("--methods", default=None,
                     help=f"comma list of {', '.join(KNOWN_METHODS)} (default: {', '.join(MAIN_METHODS)}; "
                          f"with --agents lora: {', '.join(LORA_METHODS)})")
-    ap.add_argument("--tau", type=float, default=0.3,
-                    help="gate threshold of the main run, sent per request to the gated methods")
+    ap.add_argument("--tau", type=float, default=None,
+                    help="a fixed gate threshold of the main run, sent per request to the gated methods "
+                         "(default: the server's own, tuned online to --kvshare-target-rho)")
     ap.add_argument("--tau-sweep", default="", help="e.g. 0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--sweep-methods", default="kvcmas,kvcomm")
     ap.add_argument("--sweep-tasks", type=int, default=None, help="tasks of the sweep (default --tasks)")
@@ -643,7 +643,7 @@ def parse_args(argv=None):
             ap.error(f"unknown method {m!r}")
     args.method_list = methods
     args.taus = [float(t) for t in args.tau_sweep.split(",") if t]
-    if any(not 0.0 <= t <= 1.0 for t in args.taus + [args.tau]):
+    if any(not 0.0 <= t <= 1.0 for t in args.taus + ([args.tau] if args.tau is not None else [])):
         ap.error("tau must be in [0, 1]")
     if lora and args.taus:
         ap.error("--tau-sweep is for the gated prompt-agent methods, not --agents lora")
@@ -714,7 +714,7 @@ def main(argv=None) -> int:
 
     print(f"fidelity: {len(tasks)} {args.dataset} tasks, results -> {out}, workdir {workdir}", flush=True)
     if not args.sweep_only and args.method_list:
-        # labels of the main run are the plain method names; its tau is in the config
+        # labels of the main run are the plain method names; its tau (None: the server's online tau) is in the config
         plan = [(m, m, args.tau if m in TAU_METHODS else None) for m in args.method_list]
         groups = [("main", False, plan)]
         if lora:  # the LR cache methods (and their nonshared reference) on an LR-cache server
