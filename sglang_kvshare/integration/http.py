@@ -102,10 +102,10 @@ class KVShareMiddleware:
         ``kvshare.shared_messages`` maps message indices to slots. The chat template is rendered,
         each shared message's content becomes a PH segment and the text around it PF segments;
         the request then runs as an annotated /generate and the answer comes back as a
-        ``chat.completion`` with ``kvshare`` beside ``usage``. Streaming is not offered here.
+        ``chat.completion`` with ``kvshare`` beside ``usage``, or with ``stream: true`` as
+        ``chat.completion.chunk`` events whose last one (before ``[DONE]``) carries ``kvshare``
+        (and ``usage`` when ``stream_options.include_usage``).
         """
-        if body.get("stream"):
-            raise AnnotationError("stream is not supported for chat requests with a kvshare annotation")
         raw = dict(body["kvshare"]) if isinstance(body["kvshare"], dict) else body["kvshare"]
         if not isinstance(raw, dict):
             raise AnnotationError("kvshare must be an object")
@@ -117,12 +117,18 @@ class KVShareMiddleware:
             raise AnnotationError("kvshare.shared_messages must map message indices to slot names")
         raw["segments"] = chat_segments(self.get_tm().tokenizer, messages, shared)
         sampling = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or 128}
-        for key in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty"):
+        for key in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty", "ignore_eos"):
             if body.get(key) is not None:
                 sampling[key] = body[key]
-        ann, payload = self.rewrite({"sampling_params": sampling, "kvshare": raw})
+        request = {"sampling_params": sampling, "kvshare": raw}
+        if body.get("stream"):
+            request["stream"] = True
+        ann, payload = self.rewrite(request)
         if body.get("lora_path") is not None:
             payload["lora_path"] = body["lora_path"]
+        chunk = ChatChunks(body, incremental=bool(getattr(self.get_tm(), "incremental_streaming_output", False)))
+        if body.get("stream"):
+            return await self.forward_generate(scope, receive, chunk.sse_send(send), ann, payload)
         captured: dict = {"status": 500, "body": b""}
 
         async def capture(message):
@@ -139,20 +145,14 @@ class KVShareMiddleware:
         if captured["status"] != 200:
             return await _send_json(send, captured["status"], out)
         meta = out.get("meta_info", {})
-        finish = meta.get("finish_reason") or {}
-        usage = {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         await _send_json(send, 200, {
-            "id": meta.get("id", ""),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body.get("model", ""),
+            **chunk.head("chat.completion", meta),
             "choices": [{
                 "index": 0,
                 "message": {"role": "assistant", "content": out.get("text", "")},
-                "finish_reason": "length" if finish.get("type") == "length" else "stop",
+                "finish_reason": _finish_reason(meta),
             }],
-            "usage": usage,
+            "usage": _usage(meta),
             "kvshare": meta.get("kvshare"),
         })
 
@@ -374,6 +374,86 @@ class KVShareMiddleware:
         ids = exact_output_ids(tok, out["output_ids"], out.get("text", ""))
         if ids:
             self.outputs.put(ann.workflow, ann.agent, out.get("text", ""), ids)
+
+
+def _finish_reason(meta: dict) -> Optional[str]:
+    finish = meta.get("finish_reason")
+    if not finish:
+        return None
+    return "length" if finish.get("type") == "length" else "stop"
+
+
+def _usage(meta: dict) -> dict:
+    usage = {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return usage
+
+
+class ChatChunks:
+    """An annotated chat request's answer in OpenAI's chat-completion shapes."""
+
+    def __init__(self, body: dict, incremental: bool):
+        self.model = body.get("model", "")
+        self.created = int(time.time())
+        opts = body.get("stream_options")
+        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        self.incremental = incremental  # SGLang streams deltas, not the text so far
+
+    def head(self, obj: str, meta: dict) -> dict:
+        return {"id": meta.get("id", ""), "object": obj, "created": self.created, "model": self.model}
+
+    def sse_send(self, send):
+        """Turn /generate's server-sent events (through ``_streaming_send``) into
+        ``chat.completion.chunk`` events; the last chunk carries ``kvshare`` (and ``usage``)."""
+        state = {"status": 200, "pending": b"", "text": "", "role": False, "meta": None}
+
+        def event(obj: dict) -> bytes:
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        def convert(raw: bytes) -> bytes:
+            if not raw.startswith(b"data: "):
+                return b""
+            if raw.strip() == b"data: [DONE]":
+                meta = state["meta"] or {}
+                last = {**self.head("chat.completion.chunk", meta), "choices": [], "kvshare": meta.get("kvshare")}
+                if self.include_usage:
+                    last["usage"] = _usage(meta)
+                return event(last) + b"data: [DONE]\n\n"
+            try:
+                obj = json.loads(raw[len(b"data: "):])
+            except ValueError:
+                return b""
+            if not isinstance(obj, dict) or "error" in obj:
+                return raw + b"\n\n"  # SGLang's error event, as it is
+            meta = obj.get("meta_info") or {}
+            state["meta"] = meta
+            text = obj.get("text") or ""
+            if self.incremental:
+                delta = text
+            else:
+                delta, state["text"] = text[len(state["text"]):], text
+            choice_delta = {"content": delta}
+            if not state["role"]:
+                choice_delta = {"role": "assistant", **choice_delta}
+                state["role"] = True
+            finish = _finish_reason(meta)
+            if not delta and finish is None and "role" not in choice_delta:
+                return b""
+            choice = {"index": 0, "delta": choice_delta, "finish_reason": finish}
+            return event({**self.head("chat.completion.chunk", meta), "choices": [choice]})
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            elif message["type"] == "http.response.body" and state["status"] == 200:
+                data = state["pending"] + message.get("body", b"")
+                more = message.get("more_body", False)
+                events = data.split(b"\n\n")
+                state["pending"] = events.pop() if more else b""
+                message = dict(message, body=b"".join(convert(e) for e in events if e))
+            await send(message)
+
+        return wrapped
 
 
 def exact_output_ids(tok, output_ids, text: str) -> Optional[list[int]]:

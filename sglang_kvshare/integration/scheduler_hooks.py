@@ -163,7 +163,7 @@ def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
             if st is not None:
                 st.computed_tokens += req.extend_len
                 if lr_cache() is not None:
-                    st.meta.update(lr_cache().bytes_per_token)
+                    st.meta.update(lr_cache().bytes_per_token, lr_bytes=lr_cache().nbytes())
                 st.refresh_meta()
     return new_batch, running_batch
 

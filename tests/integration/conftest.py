@@ -21,7 +21,7 @@ def tiny_model(tmp_path_factory, smollm2_path):
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("tiny-server")
-    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-dump-dir", str(d / "dumps"))
+    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-dump-dir", str(d / "dumps"), "--enable-metrics")
     server.dump_dir = d / "dumps"
     server.model_path = tiny_model
     yield server

@@ -190,7 +190,39 @@ def test_openai_chat_marks_messages_shared(tiny_server):
     assert isinstance(second["choices"][0]["message"]["content"], str)
     bad = chat("critic", SYSTEM["critic"], shared={"7": "q"})
     assert bad.status_code == 400 and "message 7" in bad.json()["error"]["message"]
-    assert chat("critic", SYSTEM["critic"], stream=True).status_code == 400
+
+
+def test_openai_client_streams_an_annotated_chat(tiny_server):
+    """Agent frameworks stream: the official client, ``stream=True`` and ``extra_body``."""
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none")
+
+    def chat(agent, stream, **extra):
+        return client.chat.completions.create(
+            model="default", max_tokens=6, temperature=0, stream=stream,
+            messages=[{"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": QUESTION}],
+            extra_body={"kvshare": {"workflow": "chat-stream", "agent": agent, "method": "fullshared",
+                                    "shared_messages": {"1": "q"}}, "ignore_eos": True},
+            **extra)
+
+    chat("solver", False)
+    plain = chat("critic", False)
+    chunks = list(chat("critic", True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content  # greedy: the same answer, streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    kv = last.model_extra["kvshare"]
+    q = next(s for s in kv["segments"] if s.get("slot") == "q")
+    assert q["mode"] == "injected" and q["injected_tokens"] == q["tokens"] > 0
+    assert last.usage.prompt_tokens == kv["prompt_tokens"]
+    # without include_usage the last chunk still carries the record, and no usage
+    last = list(chat("critic", True))[-1]
+    assert last.model_extra["kvshare"]["agent"] == "critic" and last.usage is None
 
 
 def test_an_evicted_source_means_dense_prefill_not_an_error(tiny_server):
@@ -233,3 +265,44 @@ def test_streamed_agents_get_the_record_and_their_output_is_a_source(tiny_server
     assert out_seg["slot"] == "out:solver" and out_seg["mode"] == "injected"
     # the exact output tokens stand for the text: all but the never-fed last token are injected
     assert out_seg["tokens"] - out_seg["injected_tokens"] <= 1
+
+
+def _scrape(server) -> dict[tuple, float]:
+    """``kvshare_*`` samples of ``/metrics``: (name, sorted labels) -> value."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("kvshare_")
+            for s in fam.samples}
+
+
+def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
+    import requests
+
+    text = requests.get(tiny_server.url + "/metrics", timeout=30).text
+    assert "sglang:" in text  # SGLang's own metrics are there beside ours
+    before = _scrape(tiny_server)
+    metas = [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-1", "fullshared")]
+    metas += [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-2", "kvcmas", agents=("solver", "critic"))]
+    after = _scrape(tiny_server)
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for method in ("fullshared", "kvcmas"):
+        mine = [m for m in metas if m["method"] == method]
+        assert grew("kvshare_requests_total", method=method) == len(mine)
+        for key in ("prompt_tokens", "reused_tokens", "computed_tokens", "injected_tokens"):
+            assert grew(f"kvshare_{key}_total", method=method) == sum(m[key] for m in mine), key
+    assert grew("kvshare_reused_tokens_total", method="fullshared") > 0
+    # the critic's kvcmas question segment was gated: one correction counted by its outcome and reason
+    gated = [s for m in metas if m["method"] == "kvcmas" for s in m["segments"] if "gate" in s]
+    assert gated
+    for s in gated:
+        outcome = "accepted" if s["gate"] == "accepted" else "rejected"
+        assert grew("kvshare_corrections_total", method="kvcmas", outcome=outcome, reason=s["gate"]) >= 1
+    assert grew("kvshare_correction_seconds_count", method="kvcmas") == len([m for m in metas if m["method"] == "kvcmas"])
+    assert after[("kvshare_anchor_bytes", (("method", "kvcmas"),))] == metas[-1]["anchor_bytes"]
