@@ -391,7 +391,8 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             accepted=kv.get("corrections_accepted", 0), rejected=kv.get("corrections_rejected", 0),
             correction_ms=kv.get("correction_ms"),
             gates=[s["gate"] for s in segs if "gate" in s],
-            anchor_bytes_per_token=[s["anchor_bytes_per_token"] for s in segs if "anchor_bytes_per_token" in s],
+            anchor_bytes_per_token=[(s["anchor_bytes_per_token"], s["tokens"]) for s in segs
+                                    if "anchor_bytes_per_token" in s],
             kv_bytes_per_token=kv.get("kv_bytes_per_token"),
         )
         records.append(rec)
@@ -459,7 +460,9 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         return None if not rows or any(v is None for v in vals) else int(sum(vals))
 
     out_tok, prompt_tok = total("completion_tokens"), total("prompt_tokens")
-    bpt = [b for r in ok for b in r.get("anchor_bytes_per_token", [])]
+    # one anchor's bytes per token, weighted by the tokens of the segments it served (a 16-token
+    # output slot's anchor holds as much of B as a 2K question's, spread over 16 tokens)
+    bpt = [tuple(b) for r in ok for b in r.get("anchor_bytes_per_token", [])]
     kv_bpt = [r["kv_bytes_per_token"] for r in ok if r.get("kv_bytes_per_token")]
     shared, reused = total("shared_tokens"), total("reused_tokens")
     shared_l, reused_l = total("shared_tokens", later), total("reused_tokens", later)
@@ -487,7 +490,7 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "corrections_rejected": sum(r.get("rejected", 0) for r in ok),
         "gates": dict(sorted(Counter(g for r in ok for g in r.get("gates", [])).items())),
         "correction_ms": pct([r["correction_ms"] for r in later if r.get("correction_ms") is not None]),
-        "anchor_bytes_per_token": statistics.fmean(bpt) if bpt else None,
+        "anchor_bytes_per_token": sum(b * n for b, n in bpt) / sum(n for _, n in bpt) if bpt else None,
         "kv_bytes_per_token": kv_bpt[0] if kv_bpt else None,
         "requests_log": [{k: r.get(k) for k in ("turn", "agent", "ttft_s", "reused_tokens", "shared_tokens",
                                                  "accepted", "rejected", "end")} for r in ok],
@@ -679,7 +682,7 @@ def markdown(results: Dict[str, Any]) -> str:
             )
     lines += ["", "later agents (turns after the first): TTFT p50 as a ratio to nonshared and to fullshared; "
               "rho_later = reused / shared tokens of those turns; corrections accepted / gated; correction "
-              "ms p50; anchor bytes per token (one anchor) vs KV bytes per token:", "",
+              "ms p50; anchor bytes per token (one anchor, weighted by the tokens it served) vs KV bytes per token:", "",
               "| ctx | rate | method | later TTFT p50 s | vs nonshared | vs fullshared | rho_later | accepted | "
               "corr ms p50 | anchor B/tok | KV B/tok |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in results["qps_sweep"]:

@@ -35,8 +35,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        full_env = dict(os.environ, **(env or {}))
+        full_env = dict(os.environ)
         full_env.pop("TRITON_INTERPRET", None)  # set for the kernel tests only (tests/conftest.py)
+        full_env.update(env or {})  # a server that runs Triton on the CPU asks for it here
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
