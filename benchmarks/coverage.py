@@ -328,7 +328,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     from sglang_kvshare.assets import ensure_default_model
-    from sglang_kvshare.workflows import get_roles, load_tasks
+    from benchmarks.datasets import load_tasks
+    from sglang_kvshare.workflows import get_roles
 
     args = parse_args(argv)
     out = Path(args.out)
