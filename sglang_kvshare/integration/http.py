@@ -14,8 +14,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections import OrderedDict
 from typing import Callable, Optional
+
+from cachetools import FIFOCache
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.segments import (
@@ -35,17 +36,14 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 class OutputTokens:
-    """(workflow, agent) -> (output text, output token ids), least recently used forgotten."""
+    """(workflow, agent) -> (output text, output token ids), least recently written forgotten."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._items: "OrderedDict[tuple[str, str], tuple[str, list[int]]]" = OrderedDict()
+        self._items: FIFOCache = FIFOCache(capacity)
 
     def put(self, workflow: str, agent: str, text: str, ids: list[int]) -> None:
         self._items[(workflow, agent)] = (text, ids)
-        self._items.move_to_end((workflow, agent))
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
 
     def get(self, workflow: str, agent: str, text: str) -> Optional[list[int]]:
         item = self._items.get((workflow, agent))
@@ -60,7 +58,7 @@ class KVShareMiddleware:
         self.args = args
         self.get_tm = get_tokenizer_manager
         self.outputs = OutputTokens(capacity=16 * args.max_workflows)
-        self.referenced: "OrderedDict[tuple, None]" = OrderedDict()
+        self.referenced: FIFOCache = FIFOCache(16 * args.max_workflows)
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path") if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -250,8 +248,6 @@ class KVShareMiddleware:
             meta = (out or {}).get("meta_info", {}).get("kvshare") or {}
             charged += int(meta.get("computed_tokens", 0))
             self.referenced[key] = None
-            while len(self.referenced) > 16 * self.args.max_workflows:
-                self.referenced.popitem(last=False)
         wire = dataclasses.replace(wire, reference_tokens=charged)
         payload["sampling_params"]["custom_params"]["kvshare"] = wire.dumps()
 

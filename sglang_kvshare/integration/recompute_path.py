@@ -192,7 +192,7 @@ def start_job(scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio: floa
     job None when the segment must be computed densely (reason says why)."""
     from sglang.srt.models.llama import LlamaDecoderLayer
 
-    from sglang_kvshare.integration.injection import gather_aligned
+    from sglang_kvshare.integration.kv_io import gather_aligned, read_source
     from sglang_kvshare.integration.state import context
 
     runner = scheduler.tp_worker.model_runner
@@ -220,18 +220,12 @@ def start_job(scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio: floa
         hidden = _STORE.get((st.spec.workflow, span.slot), tokens)
         if hidden is None:
             return None, "no_hidden_state"
-    tree = scheduler.tree_cache
-    found = tree.find_source(rec, n)
-    if found is None or len(found[1]) < n:
-        return None, "source_gone"
-    node, src_idx = found
-    lock = tree.lock(node)
-    try:
+    with read_source(scheduler.tree_cache, rec, n, whole=True) as src:
+        if src is None:
+            return None, "source_gone"
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        k, v = gather_aligned(pool, src_idx.to(torch.int64), span.start - rec.start, rope)
+        k, v = gather_aligned(pool, src, span.start - rec.start, rope)
         k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-    finally:
-        tree.unlock(lock)
     job = RecomputeJob(span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
     if plan is not None:
         job.layer_groups = plan.layer_groups
@@ -367,13 +361,12 @@ class BatchPlan:
     # -- layer 0 ------------------------------------------------------------------------------
 
     def begin(self, fb, hidden: torch.Tensor, num_layers: int) -> None:
+        from sglang_kvshare.integration.kv_io import write_layers
+
         pool = _RUNNER[0].token_to_kv_pool
         for p in self.pieces:
             loc = fb.out_cache_loc[p.rows].to(torch.int64)
-            for layer in range(num_layers):
-                k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-                k_buf[loc] = p.job.k[layer, p.tok].to(k_buf.dtype)
-                v_buf[loc] = p.job.v[layer, p.tok].to(v_buf.dtype)
+            write_layers(pool, loc, p.job.k[:, p.tok].transpose(0, 1), p.job.v[:, p.tok].transpose(0, 1))
             if p.job.plan is not None:  # DroidSpeak
                 p.exec = p.job.plan.mask[:, p.tok].to(hidden.device)
             else:  # check pass first; the rest is selected at layer CHECK_LAYERS

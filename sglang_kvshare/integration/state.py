@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from cachetools import FIFOCache
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.methods import MethodSpec, get_method
@@ -149,13 +150,10 @@ class PluginContext:
         self.rng = random.Random(0)  # shadow sampling
         self.rope = None  # the model's RopeSpec, set at the first injection
         # baseshared: (workflow, agent) -> token ids the agent has processed itself
-        self.processed: "OrderedDict[tuple[str, str], tuple[int, ...]]" = OrderedDict()
+        self.processed: FIFOCache = FIFOCache(16 * args.max_workflows)
 
     def remember_processed(self, workflow: str, agent: str, tokens: tuple[int, ...]) -> None:
         self.processed[(workflow, agent)] = tokens
-        self.processed.move_to_end((workflow, agent))
-        while len(self.processed) > 16 * self.args.max_workflows:
-            self.processed.popitem(last=False)
 
     def processed_prefix(self, workflow: str, agent: str, tokens) -> int:
         """Length of the common prefix of ``tokens`` and what ``agent`` processed before."""
@@ -248,23 +246,26 @@ class PluginContext:
             "anchor_pool_saves": self.anchor_file.num_saves,
         }
 
-    def state_of(self, req) -> Optional[ReqShareState]:
-        """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""
+    def lookup(self, req) -> Optional[ReqShareState]:
+        """The segment state of a scheduler ``Req`` (None: unannotated, or not admitted)."""
+        return self.requests.get(req.rid)
+
+    def admit(self, req) -> Optional[ReqShareState]:
+        """Create the segment state of an annotated ``Req`` entering the scheduler's queue (once;
+        a retracted request re-entering keeps its state) and let its method family adjust the
+        request (``sharing.Family.admit``); None if unannotated."""
         st = self.requests.get(req.rid)
         if st is not None:
             return st
         params = getattr(req.sampling_params, "custom_params", None)
         if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
             return None
+        from sglang_kvshare.integration.sharing import family_of
+
         spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
         st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
         self.requests[req.rid] = st
-        if st.method.lr_sharing and req.lora_id and req.extra_key.endswith(req.lora_id):
-            # one tree for all adapters: SGLang appended the adapter id to the namespace
-            req.extra_key = req.extra_key[: -len(req.lora_id)]
-        if st.method.lr_sharing in ("rebase_lp", "rebase_db") and req.lora_id:
-            # its KV comes from adapted hidden states: the adapter-free rebuild caches the turn
-            req.skip_radix_cache_insert = True
+        family_of(st.method).admit(self, req, st)
         req.customized_info = {META_KEY: [st.refresh_meta()]}
         return st
 

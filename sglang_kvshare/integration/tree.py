@@ -23,9 +23,9 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
-from sglang_kvshare.integration.correction_path import observe_fallbacks
-from sglang_kvshare.integration.injection import kv_layers
+from sglang_kvshare.integration.kv_io import stack_kv
 from sglang_kvshare.integration.lr_cache import lr_cache
+from sglang_kvshare.integration.sharing import family_of
 from sglang_kvshare.integration.state import context
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -86,14 +86,11 @@ class KVShareRadixCache(RadixCache):
             return
         spec = st.spec
         owned = req.owned_kv_len()
-        if st.pending:
-            observe_fallbacks(self, req, st, ctx.rope, owned)
+        family_of(st.method).release(ctx, self, req, st, owned)
         st.refresh_meta()
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
-        if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
-            ctx.remember_processed(spec.workflow, spec.agent, tokens)
         for slot, start, end in _cached_slots(req, st, owned):
             rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
             ctx.registry.record(spec.workflow, slot, rec)
@@ -108,8 +105,7 @@ class KVShareRadixCache(RadixCache):
         out_dir.mkdir(parents=True, exist_ok=True)
         for slot, start, end in spans:
             idx = row[start:end].to(torch.int64)
-            k = torch.stack([kb[idx].float() for kb, _ in kv_layers(pool)])
-            v = torch.stack([vb[idx].float() for _, vb in kv_layers(pool)])
+            k, v = (t.float() for t in stack_kv(pool, idx, dim=0))
             torch.save(
                 {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
                  "meta": dict(st.meta)},
