@@ -35,6 +35,7 @@ from sglang_kvshare.integration.kv_io import (
     read_source,
     write_canonical,
 )
+from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope import RopeSpec
@@ -86,9 +87,7 @@ def correct_segment(
     acceptance), a ``PendingObservation`` in ``st.pending[index]``. ``fused``: write through
     ``kernels.kv_correct`` (default: when the KV pool is on CUDA).
     """
-    from sglang_kvshare.integration.state import context
-
-    ctx = context()
+    ctx = session()
     t0 = time.perf_counter()
     tree = scheduler.tree_cache
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
@@ -158,11 +157,9 @@ def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
 def observe_fallbacks(tree, req, st, rope: RopeSpec, owned: int) -> None:
     """After a released request's dense fallbacks: hand their exact K/V (the first ``owned``
     tokens of the request are cached) to the corrector, through the observer."""
-    from sglang_kvshare.integration.state import context
-
     if not st.pending:
         return
-    ctx = context()
+    ctx = session()
     corrector = ctx.corrector(st.method.corrector)
     controller = ctx.tau_controller(st.method.corrector, st.spec.target_rho)
     pool = tree.token_to_kv_pool_allocator.get_kvcache()

@@ -20,7 +20,7 @@ from sglang_kvshare.integration.kv_io import (
     read_source,
     write_layers,
 )
-from sglang_kvshare.integration.lr_cache import lr_cache
+from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.rope import RopeSpec, inv_freq_for
 from sglang_kvshare.segments import Span
@@ -30,10 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 def rope_of(model_runner) -> RopeSpec:
-    """The model's RoPE, computed once per process (kept in the plugin context)."""
-    from sglang_kvshare.integration.state import context
-
-    ctx = context()
+    """The model's RoPE, computed once per process (kept in the session)."""
+    ctx = session()
     if ctx.rope is None:
         ctx.rope = rope_spec_for_model(model_runner)
     return ctx.rope
@@ -85,7 +83,7 @@ def inject_segment(scheduler, req, span: Span, rec: SourceRecord, num_tokens: in
                 kv_correct(k_buf, v_buf, src, dst64, delta, rope)
         else:
             write_layers(pool, dst64, *gather_aligned(pool, src, delta, rope))
-        lr = lr_cache()
+        lr = session().lr
         if lr is not None:
             lr.copy_rows(src, dst64)
     return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=dst)

@@ -67,7 +67,7 @@ class Recompute(Family):
     name = "recompute"
 
     def share(self, ctx, scheduler, req, st, index, span, rec, n, rope):
-        from sglang_kvshare.integration.recompute_path import plan_segment
+        from sglang_kvshare.integration.recompute_jobs import plan_segment
 
         return plan_segment(scheduler, req, st, index, span, rec, n, rope)
 

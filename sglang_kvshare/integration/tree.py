@@ -24,9 +24,8 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sglang_kvshare.integration.kv_io import stack_kv
-from sglang_kvshare.integration.lr_cache import lr_cache
+from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.integration.sharing import family_of
-from sglang_kvshare.integration.state import context
 from sglang_kvshare.segments.sources import SourceRecord
 
 logger = logging.getLogger(__name__)
@@ -61,8 +60,8 @@ class KVShareRadixCache(RadixCache):
     def checkpoint(self, req, *, up_to: int):
         """Stock insert; under ``baseshared`` the agent's own LR column of tokens it recomputed
         moves onto the slots the tree already held (the base K/V stay the first agent's)."""
-        lr = lr_cache()
-        st = context().requests.get(req.rid)
+        lr = session().lr
+        st = session().lookup(req)
         if lr is None or st is None or st.method.lr_sharing != "baseshared" or req.lora_id is None:
             return super().checkpoint(req, up_to=up_to)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -76,7 +75,7 @@ class KVShareRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        ctx = context()
+        ctx = session()
         st = ctx.forget(req)
         if st is None:
             return
@@ -135,8 +134,8 @@ def _factory(ctx: TreeCacheBuildContext):
             "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
         )
     tree = KVShareRadixCache(ctx.params)
-    context().anchor_file.load()  # warm start (the launcher checked the file already)
-    context().anchor_file.install_signal_handlers()
+    session().anchor_file.load()  # warm start (the launcher checked the file already)
+    session().anchor_file.install_signal_handlers()
     return tree
 
 
