@@ -24,18 +24,17 @@ from sglang_kvshare.workflows.topology import (
     QUESTION_SLOT,
     TOPOLOGY_NAMES,
     SendFn,
-    ServerError,
     TaskRecord,
     Turn,
     TurnRecord,
     build_payload,
     build_schedule,
     build_segments,
-    http_sender,
     out_slot,
     run_task,
     run_workflow,
 )
+from sglang_kvshare.workflows.transport import ServerError, http_sender
 
 __all__ = [
     "CHATML",
