@@ -113,7 +113,7 @@ class AttentionReader:
     def prompt(self, run: Dict[str, Any], turn: Dict[str, Any]):
         """The turn's prompt ids and spans, tokenised as the server does (exact output ids for
         the ``out:<agent>`` slots)."""
-        from sglang_kvshare.integration.http import _special_prefix, exact_output_ids
+        from sglang_kvshare.integration.http_annotate import exact_output_ids, special_prefix
         from sglang_kvshare.segments import parse_annotation, tokenize_segments
 
         outputs = {t["agent"]: t for t in run["turns"]}
@@ -127,7 +127,7 @@ class AttentionReader:
         ann = parse_annotation(turn["payload_kvshare"], "nonshared")
         return tokenize_segments(
             ann.segments, lambda t: self.tok.encode(t, add_special_tokens=False),
-            _special_prefix(self.tok), slot_tokens,
+            special_prefix(self.tok), slot_tokens,
         )
 
     def importance(self, run: Dict[str, Any], turn: Dict[str, Any]):
@@ -328,7 +328,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     from sglang_kvshare.assets import ensure_default_model
-    from sglang_kvshare.workflows import get_roles, load_tasks
+    from benchmarks.datasets import load_tasks
+    from sglang_kvshare.workflows import get_roles
 
     args = parse_args(argv)
     out = Path(args.out)

@@ -94,7 +94,9 @@ from benchmarks.fidelity_metrics import (
     safe_name,
 )
 from sglang_kvshare.methods import get_method
-from sglang_kvshare.workflows import get_roles, http_sender, load_tasks, lora_conversation_roles, run_task
+from benchmarks.datasets import load_tasks
+from benchmarks.scoring import score_output
+from sglang_kvshare.workflows import get_roles, http_sender, lora_conversation_roles, run_task
 
 MAIN_METHODS = ("nonshared", "fullshared", "kvcmas", "kvcmas_nonchained", "kvcomm", "graphflow")
 # --agents lora: agents that differ by LoRA adapter (PReCache); fullshared runs on a server
@@ -267,7 +269,8 @@ def run_one(
     shadow_workflow = f"fidshadow:{tag}:{label}:{task.id}"
     sender = ShadowedSender(send, method, shadow_workflow, tau, shadow, recompute_ratio)
     t0 = time.perf_counter()
-    record = run_task(task, roles, TOPOLOGY, method, sender, max_new_tokens, workflow_id=workflow)
+    record = run_task(task, roles, TOPOLOGY, method, sender, max_new_tokens, workflow_id=workflow,
+                      score_fn=score_output)
     wall = time.perf_counter() - t0
     turns = [analyse_turn(i, t, workflow, shadow_workflow, dump_root) for i, t in enumerate(sender.turns)]
     if dump_root is not None and not keep_dumps:

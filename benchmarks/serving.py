@@ -145,7 +145,7 @@ _NOTES: List[str] = []
 def _notes() -> List[str]:
     """Real notes: every MMLU question (with options) and GSM8K problem of the packaged data."""
     if not _NOTES:
-        from sglang_kvshare.workflows import load_tasks
+        from benchmarks.datasets import load_tasks
 
         _NOTES.extend(t.question.replace("Question: ", "", 1) for t in load_tasks("mmlu") + load_tasks("gsm8k"))
     return _NOTES

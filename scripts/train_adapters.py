@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sglang_kvshare.workflows.datasets import load_tasks, package_dir  # noqa: E402
+from benchmarks.datasets import load_tasks, package_dir  # noqa: E402
 
 ROLES = ("solver", "critic", "final")
 TARGETS = {

@@ -162,7 +162,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from sglang_kvshare.correction.store import AnchorPoolFileError
     from sglang_kvshare.integration import anchor_file, http
+    from sglang_kvshare.integration.hook_targets import check_hook_targets
 
+    try:  # an SGLang whose hooked functions changed stops here, naming the function
+        check_hook_targets()
+    except RuntimeError as e:
+        sys.exit(f"{PROG}: {e}")
     http.install(app, kv_args)
     sglang_argv = with_defaults(rest, cuda)
     if kv_args.anchor_pool:

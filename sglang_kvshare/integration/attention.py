@@ -5,7 +5,7 @@ a few tokens after a long (cached or injected) prefix costs as much as attending
 sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
 causal mask shifted by the prefix length. Decode and every other case stay stock.
 
-During selective recomputation (``recompute_path``) a decoder layer may run a subset of the
+During selective recomputation (``recompute_forward``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
 
 With ``--kvshare-lr-cache`` the backend also owns PReCache's LR pool
@@ -22,8 +22,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvshare.integration import recompute_path
-from sglang_kvshare.integration.lr_cache import init_lr_cache, paged_indices
+from sglang_kvshare.integration.lr_cache import paged_indices
+from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
 
 BACKEND_NAME = "kvshare_torch"
@@ -40,19 +40,20 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
     def __init__(self, model_runner):
         super().__init__(model_runner)
         self.model_runner = model_runner
-        recompute_path.bind_runner(model_runner)
+        session().runner = model_runner  # its pools are the ones recompute jobs write
         self.lr = None
         self._paged = (None, None)  # (forward batch, its paged indices), shared by all layers
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
         self._paged = (None, None)
-        self.lr = init_lr_cache(self.model_runner)
+        self.lr = session().init_lr(self.model_runner)
         if self.lr is not None:
             self.lr.begin_forward(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        running = recompute_path.current()
+        fwd = session().forward
+        running = fwd.running if fwd is not None and fwd.batch is forward_batch else None
         if running is not None:
             plan, rows, parts = running
             plan.observe_queries(layer, q, rows)

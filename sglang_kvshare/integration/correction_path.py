@@ -18,6 +18,7 @@ on the CPU the corrected cache is materialised and written with one rotation for
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,10 +26,19 @@ import torch
 
 from sglang_kvshare.correction import SegmentKV
 from sglang_kvshare.correction.base import apply_delta
-from sglang_kvshare.integration.injection import InjectResult, alloc_slots, kv_layers
+from sglang_kvshare.integration.kv_io import (
+    InjectResult,
+    alloc_slots,
+    gather_canonical,
+    kv_bytes_per_token,
+    kv_layers,
+    read_source,
+    write_canonical,
+)
+from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.lowrank import LowRank
-from sglang_kvshare.rope import RopeSpec, shift_keys
+from sglang_kvshare.rope import RopeSpec
 from sglang_kvshare.segments import Span
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -46,32 +56,6 @@ class PendingObservation:
     num_tokens: int
     shadow: Optional[SegmentKV] = None
     entropy: Optional[float] = None
-
-
-@torch.no_grad()
-def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec) -> SegmentKV:
-    """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
-    idx = idx.to(torch.int64)
-    layers = list(kv_layers(pool))
-    k = torch.stack([k_buf[idx] for k_buf, _ in layers], dim=1)  # [n, L, H, D]
-    n, L, H, D = k.shape
-    k = shift_keys(k.reshape(n, L * H, D), -start, rope).reshape(n, L, H * D).transpose(0, 1)
-    v = torch.stack([v_buf[idx].reshape(n, H * D) for _, v_buf in layers])
-    return SegmentKV(k.contiguous(), v)
-
-
-@torch.no_grad()
-def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: RopeSpec) -> None:
-    """Write canonical ``kv`` (first ``len(dst)`` rows) into slots ``dst`` at position ``start``."""
-    dst = dst.to(torch.int64)
-    n = len(dst)
-    layers = list(kv_layers(pool))
-    H, D = layers[0][0].shape[1:]
-    k = kv.k[:, :n].transpose(0, 1).reshape(n, len(layers) * H, D)
-    k = shift_keys(k.to(layers[0][0].dtype), start, rope).reshape(n, len(layers), H, D)
-    for layer, (k_buf, v_buf) in enumerate(layers):
-        k_buf[dst] = k[:, layer]
-        v_buf[dst] = kv.v[layer, :n].reshape(n, H, D).to(v_buf.dtype)
 
 
 @torch.no_grad()
@@ -93,19 +77,6 @@ def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: in
         kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)
 
 
-def kv_bytes_per_token(pool) -> int:
-    """K + V bytes one token takes in the KV pool (all layers)."""
-    return sum(k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
-               for k, v in kv_layers(pool))
-
-
-def _locate(tree, rec: SourceRecord, n: int):
-    found = tree.find_source(rec, n)
-    if found is None or len(found[1]) < n:
-        return None
-    return found
-
-
 def correct_segment(
     scheduler, req, st, index: int, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec, corrector,
     fused: Optional[bool] = None,
@@ -116,27 +87,24 @@ def correct_segment(
     acceptance), a ``PendingObservation`` in ``st.pending[index]``. ``fused``: write through
     ``kernels.kv_correct`` (default: when the KV pool is on CUDA).
     """
-    from sglang_kvshare.integration.state import context
-
-    ctx = context()
+    ctx = session()
     t0 = time.perf_counter()
     tree = scheduler.tree_cache
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-    found = _locate(tree, rec, num_tokens)
-    if found is None:
-        return None
-    ref_rec, ref_found = None, None
-    if st.method.needs_reference:
-        ref_rec = st.reference(ctx.registry, span.slot)
-        ref_found = None if ref_rec is None else _locate(tree, ref_rec, num_tokens)
-        if ref_found is None:
+    ref_rec = st.reference(ctx.registry, span.slot) if st.method.needs_reference else None
+    with ExitStack() as held:
+        src = held.enter_context(read_source(tree, rec, num_tokens, whole=True))
+        if src is None:
             return None
-    locks = [tree.lock(found[0])] + ([tree.lock(ref_found[0])] if ref_found else [])
-    try:
-        source = gather_canonical(pool, found[1], rec.start, rope)
-        reference = gather_canonical(pool, ref_found[1], ref_rec.start, rope) if ref_found else None
+        ref = None
+        if st.method.needs_reference:
+            ref = None if ref_rec is None else held.enter_context(read_source(tree, ref_rec, num_tokens, whole=True))
+            if ref is None:
+                return None
+        source = gather_canonical(pool, src, rec.start, rope)
+        reference = gather_canonical(pool, ref, ref_rec.start, rope) if ref is not None else None
         if fused is None:
-            fused = found[1].is_cuda
+            fused = src.is_cuda
         controller = ctx.tau_controller(st.method.corrector, st.spec.target_rho)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
         result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
@@ -167,17 +135,14 @@ def correct_segment(
             return None
         if fused:
             k = result.corrected_len
-            base_idx, base_start = (ref_found[1], ref_rec.start) if ref_found else (found[1], rec.start)
-            rows = torch.cat([base_idx[:k], found[1][k:num_tokens]])
+            base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
+            rows = torch.cat([base_idx[:k], src[k:num_tokens]])
             ar = torch.arange(num_tokens, device=rows.device)
             positions = torch.where(ar < k, base_start + ar, rec.start + ar)
             write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
         else:  # the gathered source is ours: correct it in place and write it
             kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
             write_canonical(pool, dst, kv, span.start, rope)
-    finally:
-        for lock in locks:
-            tree.unlock(lock)
     st.correction_ms += 1000.0 * (time.perf_counter() - t0)
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
@@ -192,11 +157,9 @@ def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
 def observe_fallbacks(tree, req, st, rope: RopeSpec, owned: int) -> None:
     """After a released request's dense fallbacks: hand their exact K/V (the first ``owned``
     tokens of the request are cached) to the corrector, through the observer."""
-    from sglang_kvshare.integration.state import context
-
     if not st.pending:
         return
-    ctx = context()
+    ctx = session()
     corrector = ctx.corrector(st.method.corrector)
     controller = ctx.tau_controller(st.method.corrector, st.spec.target_rho)
     pool = tree.token_to_kv_pool_allocator.get_kvcache()

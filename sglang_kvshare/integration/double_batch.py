@@ -36,7 +36,8 @@ import msgspec
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY, context
+from sglang_kvshare.integration.plugin import session
+from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY
 from sglang_kvshare.methods import get_method
 from sglang_kvshare.segments import WireSpec
 
@@ -102,7 +103,7 @@ def force_twin_tokens(reqs, next_token_ids, decoding: bool) -> None:
     """Replace each twin's sampled token (in ``next_token_ids``, one per request, in place) by its
     adapted request's token at the same output position; finish twins that cannot get one."""
     rows = {id(r): i for i, r in enumerate(reqs)}
-    ctx = context()
+    ctx = session()
     for i, twin in enumerate(reqs):
         primary = getattr(twin, _TWIN_OF, None)
         if primary is None or not _emits_token(twin):

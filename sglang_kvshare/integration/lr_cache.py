@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.integration.state import context
+from sglang_kvshare.integration.kv_io import kv_bytes_per_token
+from sglang_kvshare.integration.plugin import session
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,7 @@ class LRCache:
     @functools.cached_property
     def bytes_per_token(self) -> dict[str, int]:
         """Per cached token (fixed once the pools exist): base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
-        kv = sum(
-            self.kv_pool.get_key_buffer(i)[0].numel() * self.kv_pool.get_key_buffer(i).element_size()
-            + self.kv_pool.get_value_buffer(i)[0].numel() * self.kv_pool.get_value_buffer(i).element_size()
-            for i in sorted(set(self.layer_of.values()))
-        )
+        kv = kv_bytes_per_token(self.kv_pool)
         elem = self.kv_pool.get_value_buffer(0).element_size()
         lr = len(self.layer_of) * self.manager.memory_pool.max_lora_rank * elem
         return {"kv_bytes_per_token": kv, "lr_bytes_per_token_per_agent": lr}
@@ -165,37 +162,22 @@ def paged_indices(req_to_token, req_pool_indices, seq_lens, q_lens: list[int]):
     return kv_indices.to(torch.int32), qo.to(dev), kvp.to(dev)
 
 
-_LR: Optional[LRCache] = None
-
-
-def lr_cache() -> Optional[LRCache]:
-    return _LR
-
-
-def init_lr_cache(model_runner) -> Optional[LRCache]:
-    """Create the LR pool once per process when ``--kvshare-lr-cache`` is on."""
-    global _LR
-    if _LR is None and context().args.lr_cache:
-        _LR = LRCache(model_runner)
-        logger.info("kvshare LR cache: %d adapter columns, %d layers", _LR.n_slots, len(_LR.layer_of))
-    return _LR
-
-
 def _qkv_apply_lora(original, mod, base_output, x):
-    lr = _LR
+    lr = session().lr
     if lr is None or id(mod) not in lr.layer_of:
         return original(mod, base_output, x)
     return lr.apply_qkv(mod, base_output, x)
 
 
 def _fetch_new_loras(original, manager, new_loras, running_loras=set()):
-    if _LR is not None and _LR.manager is manager:
+    lr = session().lr
+    if lr is not None and lr.manager is manager:
         every = set(new_loras) | set(running_loras) | set(manager.loras) | {None}
-        if len(every) <= _LR.n_slots:
+        if len(every) <= lr.n_slots:
             new_loras = every
         else:  # an adapter loaded at run time beyond the slots: its LR column is not kept
             logger.warning("kvshare LR cache: %d adapters do not fit %d slots; LR columns of "
-                           "non-resident adapters are not written", len(every) - 1, _LR.n_slots)
+                           "non-resident adapters are not written", len(every) - 1, lr.n_slots)
     return original(manager, new_loras, running_loras)
 
 

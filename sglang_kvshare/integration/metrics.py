@@ -21,9 +21,7 @@ registry as SGLang's own.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-_METRICS: Optional[dict[str, Any]] = None
+from typing import Any
 
 TOKEN_COUNTERS = (
     ("prompt_tokens", "Prompt tokens of finished annotated requests"),
@@ -34,35 +32,35 @@ TOKEN_COUNTERS = (
 )
 
 
-def _metrics() -> dict[str, Any]:
-    global _METRICS
-    if _METRICS is None:
-        from prometheus_client import Counter, Gauge, Histogram
+def create_metrics() -> dict[str, Any]:
+    """The metrics of this process (``plugin.metrics()`` creates them once)."""
+    from prometheus_client import Counter, Gauge, Histogram
 
-        m: dict[str, Any] = {
-            "requests": Counter("kvshare_requests_total", "Finished annotated requests", ["method"]),
-            "corrections": Counter("kvshare_corrections_total",
-                                   "Gated shared segments by outcome (accepted, rejected) and gate reason",
-                                   ["method", "outcome", "reason"]),
-            "correction_seconds": Histogram("kvshare_correction_seconds",
-                                            "Scheduler time of a request's corrections (gather, gate, correct, write)",
-                                            ["method"],
-                                            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)),
-            "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
-                                  ["method"], multiprocess_mode="mostrecent"),
-            "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
-        }
-        for key, doc in TOKEN_COUNTERS:
-            m[key] = Counter(f"kvshare_{key}_total", doc, ["method"])
-        _METRICS = m
-    return _METRICS
+    m: dict[str, Any] = {
+        "requests": Counter("kvshare_requests_total", "Finished annotated requests", ["method"]),
+        "corrections": Counter("kvshare_corrections_total",
+                               "Gated shared segments by outcome (accepted, rejected) and gate reason",
+                               ["method", "outcome", "reason"]),
+        "correction_seconds": Histogram("kvshare_correction_seconds",
+                                        "Scheduler time of a request's corrections (gather, gate, correct, write)",
+                                        ["method"],
+                                        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)),
+        "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
+                              ["method"], multiprocess_mode="mostrecent"),
+        "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
+    }
+    for key, doc in TOKEN_COUNTERS:
+        m[key] = Counter(f"kvshare_{key}_total", doc, ["method"])
+    return m
 
 
 def record(meta: dict) -> None:
     """Count one finished request's ``meta_info.kvshare`` record."""
     if not isinstance(meta, dict) or "method" not in meta:
         return
-    m, method = _metrics(), meta["method"]
+    from sglang_kvshare.integration.plugin import metrics
+
+    m, method = metrics(), meta["method"]
     m["requests"].labels(method).inc()
     for key, _ in TOKEN_COUNTERS:
         if meta.get(key):

@@ -11,6 +11,9 @@ Hooked targets (all resolved by tests/integration/test_hook_targets.py):
 - ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
   segment starting at its prefix is injected (so the adder's memory budget sees those slots);
   after the batch is formed, every annotated request's computed tokens are counted.
+- ``Scheduler._add_request_to_queue``: an annotated request that entered the waiting queue is
+  admitted (``Session.admit``: its segment state, its method family's adjustments), before any
+  scheduling pass matches its prefix.
 - ``SchedulerOutputStreamer.is_request_level_customized_info_key``: the ``kvshare`` record is
   emitted once per request into ``meta_info``.
 - ``SchedulerInternalStateController.get_internal_state``: ``/server_info`` reports the sharing
@@ -29,16 +32,10 @@ import logging
 from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.integration.correction_path import correct_segment
-from sglang_kvshare.integration.injection import (
-    commit_injection,
-    inject_segment,
-    injectable_len,
-    rope_of,
-)
-from sglang_kvshare.integration.lr_cache import lr_cache
-from sglang_kvshare.integration.recompute_path import plan_segment
-from sglang_kvshare.integration.state import META_KEY, context
+from sglang_kvshare.integration.injection import rope_of
+from sglang_kvshare.integration.plugin import session
+from sglang_kvshare.integration.sharing import share_pending
+from sglang_kvshare.integration.state import META_KEY
 from sglang_kvshare.integration.tree import tree_of
 
 logger = logging.getLogger(__name__)
@@ -55,6 +52,7 @@ TARGETS = {
     "SchedulerInternalStateController.get_internal_state",
     "set_internal_state": "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController.set_internal_state",
+    "queue": "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
 }
 
 _CUT_FLAG = "_kvshare_cut"
@@ -62,27 +60,27 @@ _CUT_FLAG = "_kvshare_cut"
 
 def _max_prefix_len(original, req, input_len):
     limit = original(req, input_len)
-    st = context().state_of(req)
+    st = session().lookup(req)
     if st is None or req.kv.holds_kv:
         return limit
-    cut = st.next_cut(context().registry, after=0)
+    cut = st.next_cut(session().registry, after=0)
     if cut is not None:
         limit = min(limit, cut - 1)
     if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
         # LRAgent: the agent's own X.A exists only for context it processed itself
-        seen = context().processed_prefix(st.spec.workflow, st.spec.agent, req.full_untruncated_fill_ids)
+        seen = session().processed_prefix(st.spec.workflow, st.spec.agent, req.full_untruncated_fill_ids)
         limit = min(limit, seen)
     return limit
 
 
 def _select_admission(original, adder, req, **kwargs):
     admission = original(adder, req, **kwargs)
-    st = context().state_of(req)
+    st = session().lookup(req)
     if st is None or not isinstance(admission, _PrefillAdmission):
         return admission
     if st.first_prefix_len is None:
         st.first_prefix_len = admission.prefix_len
-    cut = st.next_cut(context().registry, after=admission.prefix_len)
+    cut = st.next_cut(session().registry, after=admission.prefix_len)
     if cut is None or cut >= admission.prefix_len + admission.extend_len:
         return admission
     if kwargs.get("has_chunked_req"):
@@ -102,9 +100,9 @@ def _add_one_req(original, adder, req, *args, **kwargs):
 
 
 def _add_chunked_req(original, adder, req):
-    st = context().state_of(req)
+    st = session().lookup(req)
     if st is not None:
-        cut = st.next_cut(context().registry, after=req.prefix_len)
+        cut = st.next_cut(session().registry, after=req.prefix_len)
         if cut is not None:
             room = cut - req.prefix_len
             limit = adder.chunked_req_limit
@@ -113,36 +111,13 @@ def _add_chunked_req(original, adder, req):
 
 
 def _inject_pending(scheduler) -> None:
-    """Inject (or correct) the chunked request's shared segment that starts at its prefix."""
+    """Share (inject, correct or plan) the chunked request's segment that starts at its prefix."""
     req = scheduler.chunked_req
-    ctx = context()
-    st = ctx.state_of(req)
+    ctx = session()
+    st = ctx.lookup(req)
     if st is None or tree_of(scheduler) is None:
         return
-    for i, span in st.injectable_starts(ctx.registry):
-        if span.start != req.prefix_len:
-            continue
-        st.decided.add(i)
-        rec = st.source(ctx.registry, span.slot)
-        n = 0 if rec is None else injectable_len(req, span, rec)
-        result = None
-        if n > 0 and st.method.selector:
-            result = plan_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler))
-        elif n > 0 and st.method.corrector is None:
-            result = inject_segment(scheduler, req, span, rec, n, _rope(scheduler))
-        elif n > 0:
-            corrector = ctx.corrector(st.method.corrector)
-            result = correct_segment(scheduler, req, st, i, span, rec, n, _rope(scheduler), corrector)
-            st.anchor_bytes = corrector.nbytes()
-        if result is None:
-            st.modes.setdefault(i, "dense_fallback" if i in st.pending else "computed")
-        else:
-            commit_injection(scheduler, req, span.start, result.dst)
-            st.modes[i] = "corrected" if st.method.corrector else "injected"
-            st.injected[i] = result.num_tokens
-            st.sources[i] = result.source_agent
-        st.refresh_meta()
-        return
+    share_pending(ctx, scheduler, req, st, _rope(scheduler))
 
 
 def _rope(scheduler):
@@ -150,20 +125,19 @@ def _rope(scheduler):
 
 
 def _get_new_batch_prefill_raw(original, scheduler, *args, **kwargs):
-    ctx = context()
+    ctx = session()
     ctx.observer.collect()  # anchors factorised beside the scheduler since the last step
     ctx.anchor_file.maybe_save()
     if scheduler.chunked_req is not None:
         _inject_pending(scheduler)
     new_batch, running_batch = original(scheduler, *args, **kwargs)
     if new_batch is not None:
-        ctx = context()
         for req in new_batch.reqs:
-            st = ctx.state_of(req)
+            st = ctx.lookup(req)
             if st is not None:
                 st.computed_tokens += req.extend_len
-                if lr_cache() is not None:
-                    st.meta.update(lr_cache().bytes_per_token, lr_bytes=lr_cache().nbytes())
+                if ctx.lr is not None:
+                    st.meta.update(ctx.lr.bytes_per_token, lr_bytes=ctx.lr.nbytes())
                 st.refresh_meta()
     return new_batch, running_batch
 
@@ -172,7 +146,7 @@ def _internal_state(original, controller, recv_req):
     """``/server_info``'s internal state of this scheduler, plus ``kvshare``: correction state,
     anchor bytes and budget, observations waiting for their factorisation."""
     out = original(controller, recv_req)
-    ctx = context()
+    ctx = session()
     ctx.observer.collect()
     out.internal_state["kvshare"] = ctx.stats()
     return out
@@ -189,13 +163,20 @@ def _set_internal_state(original, controller, recv_req):
     if SAVE_KEY not in requested:
         return original(controller, recv_req)
     requested.pop(SAVE_KEY)
-    ctx = context()
+    ctx = session()
     ctx.observer.collect(wait=True)
     saved = ctx.anchor_file.save(wait=True)
     if requested:
         recv_req.server_args = requested
         return SetInternalStateReqOutput(updated=saved and original(controller, recv_req).updated)
     return SetInternalStateReqOutput(updated=saved)
+
+
+def _add_request_to_queue(original, scheduler, req, *args, **kwargs):
+    result = original(scheduler, req, *args, **kwargs)
+    if any(r is req for r in reversed(scheduler.waiting_queue)):  # not refused at the door
+        session().admit(req)
+    return result
 
 
 def _is_request_level_key(original, streamer, key):
@@ -212,5 +193,6 @@ def register_scheduler_hooks() -> None:
         ("meta_level", _is_request_level_key),
         ("internal_state", _internal_state),
         ("set_internal_state", _set_internal_state),
+        ("queue", _add_request_to_queue),
     ):
         HookRegistry.register(TARGETS[name], fn, HookType.AROUND)

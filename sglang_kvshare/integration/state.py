@@ -1,22 +1,17 @@
-"""Scheduler-process state of the plugin: config, source registry, per-request segment state.
+"""Per-request segment state of an annotated request in the scheduler process (``ReqShareState``).
 
-Only the scheduler process mutates this; SGLang runs its scheduling loop on one thread.
+The process-wide state (config, correctors, source registry, ...) is the ``Session``
+(``session.py``); SGLang runs its scheduling loop on one thread.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_kvshare.config import KVShareArgs
-from sglang_kvshare.methods import MethodSpec, get_method
+from sglang_kvshare.methods import MethodSpec
 from sglang_kvshare.segments import Span, WireSpec
-from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry, common_prefix
-
-logger = logging.getLogger(__name__)
+from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry
 
 CUSTOM_PARAM_KEY = "kvshare"
 META_KEY = "kvshare"
@@ -128,155 +123,3 @@ class ReqShareState:
         if self.anchor_bytes is not None:
             self.meta["anchor_bytes"] = self.anchor_bytes
         return self.meta
-
-
-class PluginContext:
-    """Process-wide plugin state of a scheduler process."""
-
-    def __init__(self, args: KVShareArgs):
-        self.args = args
-        self.registry = SourceRegistry(args.max_workflows)
-        self.requests: dict[str, ReqShareState] = {}
-        self._correctors: dict[str, Any] = {}
-        self._controllers: dict[tuple[str, Optional[float]], Any] = {}
-        self._budget: Optional[int] = None
-        from sglang_kvshare.integration.observer import Observer
-
-        self.observer = Observer(args.observe)
-        from sglang_kvshare.integration.anchor_file import AnchorPoolFile
-
-        self.anchor_file = AnchorPoolFile(self)
-        self.rng = random.Random(0)  # shadow sampling
-        self.rope = None  # the model's RopeSpec, set at the first injection
-        # baseshared: (workflow, agent) -> token ids the agent has processed itself
-        self.processed: "OrderedDict[tuple[str, str], tuple[int, ...]]" = OrderedDict()
-
-    def remember_processed(self, workflow: str, agent: str, tokens: tuple[int, ...]) -> None:
-        self.processed[(workflow, agent)] = tokens
-        self.processed.move_to_end((workflow, agent))
-        while len(self.processed) > 16 * self.args.max_workflows:
-            self.processed.popitem(last=False)
-
-    def processed_prefix(self, workflow: str, agent: str, tokens) -> int:
-        """Length of the common prefix of ``tokens`` and what ``agent`` processed before."""
-        return common_prefix(self.processed.get((workflow, agent), ()), tokens)
-
-    def corrector(self, name: str):
-        """The process-wide corrector of method ``name`` (one set of pools per method)."""
-        if name not in self._correctors:
-            import torch
-
-            from sglang_kvshare.correction import create_corrector
-
-            overrides: dict[str, Any] = {}
-            if name.startswith("kvcmas"):
-                overrides = {"num_anchors": self.args.num_anchors, "tau": self.args.tau,
-                             "factor_dtype": getattr(torch, self.args.anchor_dtype)}
-                if name != "kvcmas_plus":  # its ranks are energy-chosen under caps of its own
-                    overrides.update(rank_base=self.args.rank, rank_delta=self.args.rank)
-            elif name == "kvcomm":
-                overrides = {"tau": self.args.tau}
-            self._correctors[name] = create_corrector(name, **overrides)
-        return self._correctors[name]
-
-    def tau_controller(self, name: str, target_rho: Optional[float] = None):
-        """The gate threshold controller of method ``name`` for a reuse target (None: the
-        server's ``--kvshare-target-rho``, or a fixed tau when that is -1)."""
-        from sglang_kvshare.correction.tuning import TauController
-
-        if target_rho is None and self.args.target_rho > 0:
-            target_rho = self.args.target_rho
-        key = (name, target_rho)
-        if key not in self._controllers:
-            max_error = self.args.max_error if self.args.shadow_fraction > 0 else None
-            self._controllers[key] = TauController(
-                getattr(self.corrector(name).config, "tau", 1.0), target_rho=target_rho, max_error=max_error
-            )
-        return self._controllers[key]
-
-    def anchor_bytes_total(self) -> int:
-        return sum(c.nbytes() for c in self._correctors.values())
-
-    def anchor_budget(self) -> int:
-        """Bytes all correction state may hold: ``--kvshare-anchor-budget-mb``, or (when -1)
-        ``--kvshare-anchor-mem-fraction`` of the memory free when first asked (after SGLang
-        sized its KV pool): the accelerator's when the model runs on one, else the host's."""
-        if self._budget is None:
-            if self.args.anchor_budget_mb >= 0:
-                self._budget = int(self.args.anchor_budget_mb * 2**20)
-            else:
-                import torch
-
-                if torch.cuda.is_available():
-                    free = torch.cuda.mem_get_info()[0]
-                else:
-                    import psutil
-
-                    free = psutil.virtual_memory().available
-                self._budget = int(self.args.anchor_mem_fraction * free)
-                logger.info("kvshare: anchor budget %.0f MiB (%.0f%% of %.0f MiB free)",
-                            self._budget / 2**20, 100 * self.args.anchor_mem_fraction, free / 2**20)
-        return self._budget
-
-    def enforce_anchor_budget(self, keep=()) -> int:
-        """Evict anchors (LFU among the 5 oldest of all pools, never those in ``keep``) until all
-        correction state fits ``anchor_budget()``; returns how many were evicted."""
-        from sglang_kvshare.correction.pool import evict_lfu_oldest
-
-        pools = [c for c in self._correctors.values() if hasattr(c, "anchors")]
-        fixed = sum(c.nbytes() for c in self._correctors.values() if not hasattr(c, "anchors"))
-        return evict_lfu_oldest(pools, self.anchor_budget() - fixed, keep=keep)
-
-    def anchor_version(self) -> int:
-        """Changes whenever an anchor is inserted, merged or evicted."""
-        total = 0
-        for c in self._correctors.values():
-            st = c.stats()
-            total += st.get("num_inserted", 0) + st.get("num_merged", 0) + st.get("num_evicted", 0)
-        return total
-
-    def stats(self) -> dict[str, Any]:
-        """Plain-value state of the sharing machinery (``/server_info`` internal state)."""
-        return {
-            "anchor_bytes": self.anchor_bytes_total(),
-            "anchor_budget_bytes": self._budget,
-            "pending_observations": self.observer.pending,
-            "observations_done": self.observer.num_done,
-            "observations_failed": self.observer.num_failed,
-            "correctors": {name: c.stats() for name, c in self._correctors.items()},
-            "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
-            "anchor_pool_saves": self.anchor_file.num_saves,
-        }
-
-    def state_of(self, req) -> Optional[ReqShareState]:
-        """The segment state of a scheduler ``Req``, created on first sight; None if unannotated."""
-        st = self.requests.get(req.rid)
-        if st is not None:
-            return st
-        params = getattr(req.sampling_params, "custom_params", None)
-        if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
-            return None
-        spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
-        st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
-        self.requests[req.rid] = st
-        if st.method.lr_sharing and req.lora_id and req.extra_key.endswith(req.lora_id):
-            # one tree for all adapters: SGLang appended the adapter id to the namespace
-            req.extra_key = req.extra_key[: -len(req.lora_id)]
-        if st.method.lr_sharing in ("rebase_lp", "rebase_db") and req.lora_id:
-            # its KV comes from adapted hidden states: the adapter-free rebuild caches the turn
-            req.skip_radix_cache_insert = True
-        req.customized_info = {META_KEY: [st.refresh_meta()]}
-        return st
-
-    def forget(self, req) -> Optional[ReqShareState]:
-        return self.requests.pop(req.rid, None)
-
-
-_CONTEXT: Optional[PluginContext] = None
-
-
-def context() -> PluginContext:
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = PluginContext(KVShareArgs.from_env())
-    return _CONTEXT

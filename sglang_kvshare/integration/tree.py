@@ -23,10 +23,9 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
-from sglang_kvshare.integration.correction_path import observe_fallbacks
-from sglang_kvshare.integration.injection import kv_layers
-from sglang_kvshare.integration.lr_cache import lr_cache
-from sglang_kvshare.integration.state import context
+from sglang_kvshare.integration.kv_io import stack_kv
+from sglang_kvshare.integration.plugin import session
+from sglang_kvshare.integration.sharing import family_of
 from sglang_kvshare.segments.sources import SourceRecord
 
 logger = logging.getLogger(__name__)
@@ -61,8 +60,8 @@ class KVShareRadixCache(RadixCache):
     def checkpoint(self, req, *, up_to: int):
         """Stock insert; under ``baseshared`` the agent's own LR column of tokens it recomputed
         moves onto the slots the tree already held (the base K/V stay the first agent's)."""
-        lr = lr_cache()
-        st = context().requests.get(req.rid)
+        lr = session().lr
+        st = session().lookup(req)
         if lr is None or st is None or st.method.lr_sharing != "baseshared" or req.lora_id is None:
             return super().checkpoint(req, up_to=up_to)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -76,7 +75,7 @@ class KVShareRadixCache(RadixCache):
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        ctx = context()
+        ctx = session()
         st = ctx.forget(req)
         if st is None:
             return
@@ -86,14 +85,11 @@ class KVShareRadixCache(RadixCache):
             return
         spec = st.spec
         owned = req.owned_kv_len()
-        if st.pending:
-            observe_fallbacks(self, req, st, ctx.rope, owned)
+        family_of(st.method).release(ctx, self, req, st, owned)
         st.refresh_meta()
         if ctx.args.dump_dir:
             self._dump(req, st, owned, ctx.args.dump_dir)
         tokens = tuple(req.full_untruncated_fill_ids[:owned])
-        if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
-            ctx.remember_processed(spec.workflow, spec.agent, tokens)
         for slot, start, end in _cached_slots(req, st, owned):
             rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
             ctx.registry.record(spec.workflow, slot, rec)
@@ -108,8 +104,7 @@ class KVShareRadixCache(RadixCache):
         out_dir.mkdir(parents=True, exist_ok=True)
         for slot, start, end in spans:
             idx = row[start:end].to(torch.int64)
-            k = torch.stack([kb[idx].float() for kb, _ in kv_layers(pool)])
-            v = torch.stack([vb[idx].float() for _, vb in kv_layers(pool)])
+            k, v = (t.float() for t in stack_kv(pool, idx, dim=0))
             torch.save(
                 {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
                  "meta": dict(st.meta)},
@@ -139,8 +134,8 @@ def _factory(ctx: TreeCacheBuildContext):
             "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
         )
     tree = KVShareRadixCache(ctx.params)
-    context().anchor_file.load()  # warm start (the launcher checked the file already)
-    context().anchor_file.install_signal_handlers()
+    session().anchor_file.load()  # warm start (the launcher checked the file already)
+    session().anchor_file.install_signal_handlers()
     return tree
 
 

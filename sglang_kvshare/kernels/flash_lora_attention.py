@@ -17,7 +17,7 @@ Layouts (last dim contiguous):
     q        [Tq, Hq, D]               new queries of all requests, concatenated
     k_buf    [S, Hkv, D]               post-RoPE base keys, KV pool (S slots)
     v_buf    [S, Hkv, D]               base values
-    lr_buf   [S, n_agents, r_max]      value LR cache of one layer (``LRCachePool.buffer``)
+    lr_buf   [S, n_agents, r_max]      value LR cache of one layer (``LRCache.buffers[layer]``)
     B_v      [n_agents, r_max, Hkv*D]  stacked value B factors (zero rows beyond an agent's rank)
     kv_indices [sum kv_len] int        KV slots of each request's tokens, in order
     qo_indptr, kv_indptr [B + 1] int   request offsets into q / kv_indices
@@ -360,29 +360,3 @@ def flash_lora_attention_paged(*args, **kwargs) -> torch.Tensor:
     if kwargs.get("key_lr") is not None:
         return flash_lora_attention_reference(*args, **kwargs)
     return flash_lora_attention_sdpa(*args, **kwargs)
-
-
-def _benchmark(num_req: int = 8, prefix_len: int = 2048, q_len: int = 1, rank: int = 8) -> None:
-    """Decode/extend timing of the kernel vs the torch reference (CUDA only)."""
-    import triton.testing
-
-    dev, Hq, Hkv, D, n_agents = "cuda", 9, 3, 64, 3
-    S = num_req * (prefix_len + q_len)
-    k_buf, v_buf = (torch.randn(S, Hkv, D, device=dev, dtype=torch.float16) for _ in range(2))
-    lr_buf = torch.randn(S, n_agents, rank, device=dev, dtype=torch.float16)
-    B_v = torch.randn(n_agents, rank, Hkv * D, device=dev, dtype=torch.float16) * 0.1
-    q = torch.randn(num_req * q_len, Hq, D, device=dev, dtype=torch.float16)
-    kv_indices = torch.randperm(S, device=dev, dtype=torch.int64).to(torch.int32)
-    qo = torch.arange(num_req + 1, device=dev, dtype=torch.int32) * q_len
-    kvp = torch.arange(num_req + 1, device=dev, dtype=torch.int32) * (prefix_len + q_len)
-    agent = torch.arange(num_req, device=dev, dtype=torch.int32) % n_agents
-    args = (q, k_buf, v_buf, kv_indices, qo, kvp, lr_buf, B_v, agent)
-    for name, fn in (("triton", flash_lora_attention_triton),
-                     ("torch", flash_lora_attention_reference)):
-        ms = triton.testing.do_bench(lambda: fn(*args, max_q_len=q_len))
-        print(f"{name:7s} reqs={num_req} prefix={prefix_len} q_len={q_len} r={rank}: {ms:.3f} ms")
-
-
-if __name__ == "__main__":
-    _benchmark()
-    _benchmark(q_len=64)

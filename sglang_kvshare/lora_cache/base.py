@@ -6,7 +6,8 @@ LoRA scaling (``alpha / r``). The KV cache is split into
 * the **base cache** ``X W_0`` (post-RoPE keys, values), shared by all agents and stored in the
   ordinary KV pool, and
 * the **LR cache** ``LR_k = s_k X A_k^T`` (``[T, r]`` per agent, scaling folded in, as SGLang
-  applies it in the A step), stored per agent in an ``LRCachePool`` indexed by the same token slots.
+  applies it in the A step), stored per agent in an LR pool indexed by the same token slots (the
+  engine's ``integration/lr_cache.LRCache``; ``tests/lr_cache_sim.py`` simulates it in plain torch).
 
 Value side (QV and QKVO adapters): ``V_k = V_base + LR_k B_k``; attention never materialises the
 ``[T, kv_dim]`` delta: ``P V_k = P V_base + (P LR_k) B_k`` (Flash-LoRA-Attention).
@@ -28,9 +29,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-LR_KINDS = ("value", "key")
-
 
 @dataclass(frozen=True)
 class LoRAProjection:
@@ -62,38 +60,6 @@ class LoRAProjection:
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """Ordinary LoRA output ``s (x A^T) B``: x [T, d_in] -> [T, d_out] (materialised)."""
         return (x @ self.A.t()) @ self.B * self.scaling
-
-
-@dataclass(frozen=True)
-class LRCacheConfig:
-    """Sizes of an ``LRCachePool``.
-
-    num_slots: token slots of the KV pool the LR cache shadows (same indices).
-    max_agents: LR columns per slot (agents registered with stable column indices).
-    max_rank: r_max; an agent of rank r < r_max uses columns ``[:r]`` of its row.
-    num_kv_heads, head_dim: of the KV cache, for byte accounting against a full KV cache.
-    key_lr: also keep a key LR pool (QKVO adapters).
-    """
-
-    num_layers: int
-    num_slots: int
-    max_agents: int
-    max_rank: int
-    num_kv_heads: int
-    head_dim: int
-    key_lr: bool = False
-    dtype: torch.dtype = torch.float32
-    device: str = "cpu"
-
-    def __post_init__(self):
-        for name in ("num_layers", "num_slots", "max_agents", "max_rank", "num_kv_heads",
-                     "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True)

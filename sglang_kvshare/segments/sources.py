@@ -7,9 +7,10 @@ evicted the cache since: a record is a hint, the tree lookup is the truth.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
+
+from cachetools import FIFOCache
 
 
 # The agent name under which a workflow's context-free reference caches are recorded.
@@ -43,16 +44,15 @@ class SourceRegistry:
 
     def __init__(self, max_workflows: int = 4096):
         self.max_workflows = max_workflows
-        self._flows: "OrderedDict[str, dict[str, list[SourceRecord]]]" = OrderedDict()
+        # workflow -> slot -> records; recording into a workflow makes it the most recent
+        self._flows: FIFOCache = FIFOCache(max_workflows)
 
     def record(self, workflow: str, slot: str, rec: SourceRecord) -> None:
-        slots = self._flows.setdefault(workflow, {})
-        self._flows.move_to_end(workflow)
+        slots = self._flows.get(workflow, {})
+        self._flows[workflow] = slots
         recs = [r for r in slots.get(slot, []) if r.agent != rec.agent]
         recs.append(rec)
         slots[slot] = recs
-        while len(self._flows) > self.max_workflows:
-            self._flows.popitem(last=False)
 
     def lookup(
         self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None

@@ -1,10 +1,12 @@
-"""Client-side multi-agent workflows: benchmark tasks, agent roles, topologies and scoring.
+"""Client-side multi-agent workflows: agent roles, topologies and the runner.
+
+Loading benchmark datasets and scoring outputs live in ``benchmarks/`` (``benchmarks.datasets``,
+``benchmarks.scoring``, HumanEval's sandbox included).
 
 Nothing here imports SGLang: a workflow talks to the server only through ``send(payload)``
 (``http_sender`` for POST /generate).
 """
 
-from sglang_kvshare.workflows.datasets import DATASET_NAMES, Task, load_tasks
 from sglang_kvshare.workflows.roles import (
     CHAT_FORMATS,
     CHATML,
@@ -17,42 +19,32 @@ from sglang_kvshare.workflows.roles import (
     lora_conversation_roles,
     with_lora_adapters,
 )
-from sglang_kvshare.workflows.scoring import (
-    AccuracyEstimate,
-    Score,
-    accuracy,
-    score_output,
-    wilson_interval,
-)
+from sglang_kvshare.workflows.task import Task
 from sglang_kvshare.workflows.topology import (
     QUESTION_SLOT,
     TOPOLOGY_NAMES,
     SendFn,
-    ServerError,
     TaskRecord,
     Turn,
     TurnRecord,
     build_payload,
     build_schedule,
     build_segments,
-    http_sender,
     out_slot,
     run_task,
     run_workflow,
 )
+from sglang_kvshare.workflows.transport import ServerError, http_sender
 
 __all__ = [
-    "AccuracyEstimate",
     "CHATML",
     "CHAT_FORMATS",
     "ChatFormat",
-    "DATASET_NAMES",
     "FINAL_AGENT",
     "PLAIN",
     "QUESTION_SLOT",
     "Role",
     "RoleSet",
-    "Score",
     "SendFn",
     "ServerError",
     "TOPOLOGY_NAMES",
@@ -60,17 +52,13 @@ __all__ = [
     "TaskRecord",
     "Turn",
     "TurnRecord",
-    "accuracy",
     "build_payload",
     "build_schedule",
     "build_segments",
     "get_roles",
     "lora_conversation_roles",
     "http_sender",
-    "load_tasks",
     "out_slot",
     "run_task",
     "run_workflow",
-    "score_output",
-    "wilson_interval",
 ]

@@ -7,7 +7,8 @@ eq. 1 lays it out,
     [PF sys_i, PH q, PF glue_0, PH out_0, PF glue_1, PH out_1, ..., PF closing]
 
 sends it through an injected ``send(payload) -> response`` (``http_sender`` POSTs to /generate),
-and records the output. The final agent's output is scored.
+and records the output. The final agent's output is scored by an injected ``score_fn``
+(``benchmarks.scoring.score_output`` for the benchmark datasets).
 
 Schedules, for task agents A0, A1, A2 and final agent F (every agent reads ``q``):
 
@@ -28,14 +29,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import requests
-
-from sglang_kvshare.workflows.datasets import Task
 from sglang_kvshare.workflows.roles import CHATML, ChatFormat, Role, RoleSet
-from sglang_kvshare.workflows.scoring import Score, score_output
+from sglang_kvshare.workflows.task import Task
 
 SendFn = Callable[[Dict[str, Any]], Dict[str, Any]]
-ScoreFn = Callable[[Task, str], Score]
+ScoreFn = Callable[[Task, str], Any]
 
 QUESTION_SLOT = "q"
 TOPOLOGY_NAMES: Tuple[str, ...] = ("sequential", "fan_in", "fan_out", "loop")
@@ -182,7 +180,8 @@ class TurnRecord:
 
 @dataclass
 class TaskRecord:
-    """One task run through one workflow. ``score`` judges ``final_output`` (the last turn's text).
+    """One task run through one workflow. ``score`` judges ``final_output`` (the last turn's text;
+    None when the run had no ``score_fn``).
     Token totals sum ``kvshare`` fields over turns (None when any turn lacks the field)."""
 
     task_id: str
@@ -192,7 +191,7 @@ class TaskRecord:
     workflow_id: str
     reference: str
     final_output: str
-    score: Score
+    score: Any
     turns: List[TurnRecord] = field(default_factory=list)
     total_prompt_tokens: Optional[int] = None
     total_reused_tokens: Optional[int] = None
@@ -224,9 +223,10 @@ def run_task(
     num_rounds: int = 2,
     chat_format: ChatFormat = CHATML,
     workflow_id: Optional[str] = None,
-    score_fn: ScoreFn = score_output,
+    score_fn: Optional[ScoreFn] = None,
 ) -> TaskRecord:
-    """Run every turn of ``topology`` for ``task`` through ``send`` and score the final output.
+    """Run every turn of ``topology`` for ``task`` through ``send`` and score the final output
+    with ``score_fn`` (when given).
 
     ``send`` receives the payload of ``build_payload`` and must return the server's JSON
     (``{"text": str, "meta_info": {...}}``); its exceptions propagate. ``workflow_id`` defaults to
@@ -287,7 +287,7 @@ def run_task(
         workflow_id=workflow_id,
         reference=task.reference,
         final_output=outputs[-1],
-        score=score_fn(task, outputs[-1]),
+        score=score_fn(task, outputs[-1]) if score_fn is not None else None,
         turns=turn_records,
         total_prompt_tokens=_sum_field(kvshares, "prompt_tokens"),
         total_reused_tokens=_sum_field(kvshares, "reused_tokens"),
@@ -307,7 +307,7 @@ def run_workflow(
     num_rounds: int = 2,
     chat_format: ChatFormat = CHATML,
     workflow_prefix: str = "wf",
-    score_fn: ScoreFn = score_output,
+    score_fn: Optional[ScoreFn] = None,
 ) -> List[TaskRecord]:
     """``run_task`` for each task in order; task ``t`` runs as workflow
     ``"<workflow_prefix>:<t.id>"``. Records are JSON-serialisable via ``to_dict``."""
@@ -327,42 +327,3 @@ def run_workflow(
         )
         for task in tasks
     ]
-
-
-# ----------------------------------------------------------------------------- transport
-
-
-class ServerError(RuntimeError):
-    """The server answered a /generate request with a non-200 status."""
-
-
-def _error_message(response: requests.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:2000] or "<empty body>"
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("message", "detail", "error"):
-            if key in body:
-                return str(body[key])
-    return str(body)[:2000]
-
-
-def http_sender(base_url: str, timeout: float = 600.0) -> SendFn:
-    """A ``send`` that POSTs the payload as JSON to ``<base_url>/generate`` and returns the JSON
-    reply; a non-200 status raises ``ServerError`` carrying the server's error message."""
-    url = base_url.rstrip("/") + "/generate"
-    session = requests.Session()
-
-    def send(payload: Dict[str, Any]) -> Dict[str, Any]:
-        response = session.post(url, json=payload, timeout=timeout)
-        if response.status_code != 200:
-            raise ServerError(
-                f"POST {url} -> HTTP {response.status_code}: {_error_message(response)}"
-            )
-        return response.json()
-
-    return send

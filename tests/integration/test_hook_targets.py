@@ -1,18 +1,17 @@
-"""Every SGLang target the plugin hooks or registers into must resolve: an upstream rename fails here."""
-
-import importlib
+"""Every SGLang target the plugin hooks or registers into must resolve, and every hooked target
+must still have the parameters its hook relies on: an upstream rename or signature change fails
+here (and at startup, ``hook_targets.check_hook_targets``)."""
 
 import pytest
 
-from sglang_kvshare.integration import double_batch, lr_cache, meta, recompute_path, scheduler_hooks
-
-TARGETS = sorted(
-    set(scheduler_hooks.TARGETS.values())
-    | set(lr_cache.TARGETS.values())
-    | set(double_batch.TARGETS.values())
-    | set(recompute_path.TARGETS.values())
-    | {meta.TARGET}
+from sglang_kvshare.integration.hook_targets import (
+    REQUIRED_PARAMS,
+    check_hook_targets,
+    hooked_targets,
+    resolve,
 )
+
+TARGETS = hooked_targets()
 
 NAMES = [
     "sglang.srt.mem_cache.registry.register_radix_cache_backend",
@@ -31,22 +30,26 @@ NAMES = [
 ]
 
 
-def resolve(dotted: str):
-    parts = dotted.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise ImportError(dotted)
-
-
 @pytest.mark.parametrize("target", TARGETS + NAMES)
 def test_target_resolves(target):
     assert resolve(target) is not None
+
+
+def test_every_hooked_target_has_an_expected_signature_and_matches_it():
+    assert set(TARGETS) == set(REQUIRED_PARAMS)
+    check_hook_targets()
+
+
+def test_a_changed_signature_fails_with_the_targets_name(monkeypatch):
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    target = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
+    monkeypatch.setattr(PrefillAdder, "add_chunked_req", lambda self, request, limit: None)
+    with pytest.raises(RuntimeError, match="PrefillAdder.add_chunked_req has parameters"):
+        check_hook_targets([target])
+    monkeypatch.delattr(PrefillAdder, "add_chunked_req")
+    with pytest.raises(RuntimeError, match="PrefillAdder.add_chunked_req does not exist"):
+        check_hook_targets([target])
 
 
 def test_admission_record_has_the_fields_we_rebuild():

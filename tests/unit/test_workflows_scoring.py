@@ -2,8 +2,7 @@
 
 import pytest
 
-from sglang_kvshare.workflows.datasets import Task
-from sglang_kvshare.workflows.scoring import (
+from benchmarks.scoring import (
     accuracy,
     extract_choice,
     extract_code,
@@ -11,6 +10,7 @@ from sglang_kvshare.workflows.scoring import (
     score_output,
     wilson_interval,
 )
+from sglang_kvshare.workflows.task import Task
 
 
 def _mc(reference="C"):
@@ -101,7 +101,7 @@ def test_humaneval_wrong_solution_fails():
 
 
 def test_humaneval_infinite_loop_times_out():
-    from sglang_kvshare.workflows.scoring import score_humaneval
+    from benchmarks.scoring import score_humaneval
 
     spinning = "```python\ndef add_all(xs):\n    while True:\n        pass\n```"
     result = score_humaneval(_he(), spinning, timeout_s=1.0)

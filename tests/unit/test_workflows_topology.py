@@ -10,16 +10,11 @@ import threading
 
 import pytest
 
-from sglang_kvshare.workflows.datasets import Task
+from benchmarks.scoring import score_output
 from sglang_kvshare.workflows.roles import PLAIN, get_roles, lora_conversation_roles, with_lora_adapters
-from sglang_kvshare.workflows.topology import (
-    ServerError,
-    build_schedule,
-    build_segments,
-    http_sender,
-    run_task,
-    run_workflow,
-)
+from sglang_kvshare.workflows.topology import build_schedule, build_segments, run_task, run_workflow
+from sglang_kvshare.workflows.transport import ServerError, http_sender
+from sglang_kvshare.workflows.task import Task
 
 MMLU_TASK = Task(
     "mmlu/1", "mmlu", "Question: 2+2?\nA) 3\nB) 4\nC) 5\nD) 6", "B", ("3", "4", "5", "6")
@@ -65,6 +60,7 @@ def _slots(payload):
 
 def _run(topology, **kw):
     echo = EchoServer()
+    kw.setdefault("score_fn", score_output)
     record = run_task(MMLU_TASK, get_roles("mmlu"), topology, "kvcmas", echo, 16, **kw)
     return echo, record
 
@@ -159,7 +155,8 @@ def test_payload_fields_and_lora_path():
 def test_final_output_scored_and_record_serialisable():
     echo, record = _run("sequential")
     assert record.final_output == "B" and record.score.correct
-    wrong = run_task(MMLU_TASK, get_roles("mmlu"), "fan_in", "kvcmas", EchoServer(final="D"), 8)
+    wrong = run_task(MMLU_TASK, get_roles("mmlu"), "fan_in", "kvcmas", EchoServer(final="D"), 8,
+                     score_fn=score_output)
     assert not wrong.score.correct and wrong.score.predicted == "D"
     blob = json.loads(json.dumps(record.to_dict()))
     assert blob["turns"][0]["kvshare"]["method"] == "kvcmas"
@@ -203,7 +200,7 @@ def test_role_dataset_mismatch_and_unknown_topology():
 def test_run_workflow_one_record_per_task_with_distinct_workflows():
     tasks = [MMLU_TASK, Task("mmlu/2", "mmlu", "Question: x\nA) 1\nB) 2", "A", ("1", "2"))]
     echo = EchoServer()
-    records = run_workflow(tasks, get_roles("mmlu"), "fan_out", "kvcmas", echo, 8)
+    records = run_workflow(tasks, get_roles("mmlu"), "fan_out", "kvcmas", echo, 8, score_fn=score_output)
     assert [r.task_id for r in records] == ["mmlu/1", "mmlu/2"]
     assert [r.score.correct for r in records] == [True, False]
     assert len({p["kvshare"]["workflow"] for p in echo.payloads}) == 2
@@ -259,3 +256,8 @@ def test_lora_conversation_is_one_growing_prefix():
     for i in range(1, len(texts)):
         prev = roles.roles[i - 1]
         assert texts[i].startswith(texts[i - 1] + outputs[prev.name]), i
+
+
+def test_without_score_fn_the_record_is_unscored():
+    _, record = _run("fan_in", score_fn=None)
+    assert record.score is None and record.final_output == "B"

@@ -1,10 +1,10 @@
-"""Selective recomputation (CacheBlend, DroidSpeak, RelayCaching) inside SGLang's forward.
+"""Selective recomputation (CacheBlend, DroidSpeak, RelayCaching) inside SGLang's forward:
+the model side (the scheduler side is ``recompute_jobs``).
 
-Scheduler side, between two prefill chunks (``scheduler_hooks._inject_pending``): a shared
-segment with a source cache becomes a :class:`RecomputeJob` that holds the source's K/V, keys
-re-aligned to the request's positions. Unlike an injection, the segment is not committed as
-prefix: its tokens are query rows of the next extend. Ratio 0 is an injection (= fullshared),
-ratio 1 a dense prefill of the segment (= nonshared).
+Scheduler side, between two prefill chunks (``recompute_jobs``): a shared segment with a source
+cache becomes a ``RecomputeJob`` that holds the source's K/V, keys re-aligned to the request's
+positions. Unlike an injection, the segment is not committed as prefix: its tokens are query rows
+of the next extend.
 
 Model side, one AROUND hook on the Llama decoder layer, for extend batches that carry a job:
 
@@ -20,7 +20,7 @@ Model side, one AROUND hook on the Llama decoder layer, for extend batches that 
   token does not depend on its context, so the deviation is read at layer 1;
 - DroidSpeak's layer groups come from its offline profile (``--kvshare-droidspeak-profile``);
 - a row whose recomputation starts at ``l > 0`` enters from the hidden state stored when the
-  segment was last prefilled densely (:class:`HiddenStore`, DroidSpeak's stored hidden state).
+  segment was last prefilled densely (``hidden_store.HiddenStore``, DroidSpeak's stored hidden state).
 
 Each job counts the token-layers it really ran (``recomputed_token_layers``).
 """
@@ -28,252 +28,22 @@ Each job counts the token-layers it really ran (``recomputed_token_layers``).
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_kvshare.recompute import (
-    DroidSpeakProfile,
-    RecomputePlan,
-    SelectionInputs,
-    attention_mass,
-    get_selector,
-    token_deviation,
-)
-from sglang_kvshare.rope import RopeSpec
+from sglang_kvshare.integration.hidden_store import HiddenStore, StoredHidden
+from sglang_kvshare.integration.plugin import session
+from sglang_kvshare.integration.recompute_jobs import RecomputeJob
+from sglang_kvshare.recompute import SelectionInputs, attention_mass, get_selector, token_deviation
 
 TARGETS = {"decoder_layer": "sglang.srt.models.llama.LlamaDecoderLayer.forward"}
 
 CHECK_LAYERS = 2  # CacheBlend / RelayCaching check pass: layers 0 and 1 for every segment token
-DEFAULT_RATIO = 0.1  # rho 0.9, the papers' default for agents that differ by system prompt
-DEFAULT_LORA_RATIO = 0.3  # PReCache Sec. 4.1: 30% recomputation for LoRA agents
 NEEDS_HIDDEN = ("droidspeak", "relaycaching")
-HIDDEN_STORE_BYTES = 512 * 2**20  # stored hidden states of all workflows together
-
-
-def recompute_ratio(spec_ratio: Optional[float], server_ratio: float, lora: bool) -> float:
-    """The budget of a request: its own, else the server's (>= 0), else the papers' default."""
-    if spec_ratio is not None:
-        return float(spec_ratio)
-    if server_ratio >= 0:
-        return float(server_ratio)
-    return DEFAULT_LORA_RATIO if lora else DEFAULT_RATIO
-
-
-# ---------------------------------------------------------------------------------------------
-# stored hidden states
-
-
-@dataclass
-class StoredHidden:
-    """Residual stream entering every layer for the tokens of one densely prefilled segment."""
-
-    x: torch.Tensor  # [num_layers, n, hidden]
-    token_ids: torch.Tensor  # [n] int64
-    filled: torch.Tensor  # [n] bool: rows whose every layer has been captured
-
-    def covers(self, token_ids: list[int]) -> bool:
-        n = len(token_ids)
-        return (
-            n <= len(self.token_ids)
-            and bool(self.filled[:n].all())
-            and self.token_ids[:n].tolist() == list(token_ids)
-        )
-
-    @property
-    def nbytes(self) -> int:
-        return self.x.numel() * self.x.element_size()
-
-
-class HiddenStore:
-    """(workflow, slot) -> the latest dense prefill's :class:`StoredHidden`; the oldest entries
-    are evicted to stay within ``max_bytes`` (the newest is always kept)."""
-
-    def __init__(self, max_bytes: int = HIDDEN_STORE_BYTES):
-        self.max_bytes = max_bytes
-        self.items: "OrderedDict[tuple[str, str], StoredHidden]" = OrderedDict()
-
-    def begin(self, key, num_layers: int, n: int, hidden: int, dtype, device) -> StoredHidden:
-        self.items.pop(key, None)
-        entry = StoredHidden(
-            x=torch.zeros(num_layers, n, hidden, dtype=dtype, device=device),
-            token_ids=torch.full((n,), -1, dtype=torch.int64),
-            filled=torch.zeros(n, dtype=torch.bool),
-        )
-        self.items[key] = entry
-        while len(self.items) > 1 and self.nbytes() > self.max_bytes:
-            self.items.popitem(last=False)
-        return entry
-
-    def get(self, key, token_ids: list[int]) -> Optional[StoredHidden]:
-        entry = self.items.get(key)
-        return entry if entry is not None and entry.covers(token_ids) else None
-
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.items.values())
-
-
-_STORE = HiddenStore()
-
-
-def hidden_store() -> HiddenStore:
-    return _STORE
-
-
-# ---------------------------------------------------------------------------------------------
-# the DroidSpeak profile
-
-
-def profile_of(layer_deviation) -> DroidSpeakProfile:
-    """A profile whose mean layer deviation is ``layer_deviation``."""
-    dev = [float(x) for x in layer_deviation]
-    return DroidSpeakProfile.from_state_dict(
-        {"num_layers": len(dev), "relative": True, "sum": dev, "num_samples": 1}
-    )
-
-
-def load_profile(path: str, num_layers: int) -> DroidSpeakProfile:
-    """A profile JSON written by ``benchmarks.coverage`` (``{"layer_deviation": [...]}``)."""
-    prof = profile_of(json.loads(Path(path).read_text())["layer_deviation"])
-    if prof.num_layers != num_layers:
-        raise ValueError(f"DroidSpeak profile {path} has {prof.num_layers} layers, the model has {num_layers}")
-    return prof
-
-
-_PROFILES: dict[tuple[str, int], DroidSpeakProfile] = {}
-
-
-def droidspeak_profile(path: str, num_layers: int) -> DroidSpeakProfile:
-    """The server's profile; without ``--kvshare-droidspeak-profile`` every layer weighs the same
-    (the groups then start at layer 0)."""
-    key = (path, num_layers)
-    if key not in _PROFILES:
-        _PROFILES[key] = load_profile(path, num_layers) if path else profile_of([1.0] * num_layers)
-    return _PROFILES[key]
-
-
-# ---------------------------------------------------------------------------------------------
-# jobs (scheduler side)
-
-
-@dataclass
-class RecomputeJob:
-    """One shared segment of a request whose KV is reused and partly recomputed."""
-
-    start: int  # position of the segment's first token
-    # [num_layers, n, kv_heads, head_dim] reused K/V at the request's positions; None once the
-    # forward that reached the segment's last token has used them
-    k: Optional[torch.Tensor]
-    v: Optional[torch.Tensor]
-    selector: str
-    ratio: float
-    plan: Optional[RecomputePlan] = None  # DroidSpeak: fixed before the forward
-    hidden: Optional[StoredHidden] = None
-    token_layers: int = 0  # token-layers executed so far (check pass included)
-    layer_groups: tuple = ()
-    n: int = 0
-    num_layers: int = 0
-
-    def __post_init__(self) -> None:
-        self.num_layers, self.n = int(self.k.shape[0]), int(self.k.shape[1])
-
-    def release(self) -> None:
-        self.k = self.v = self.hidden = None
-
-
-def start_job(scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio: float):
-    """A job for the first ``n`` tokens of ``span`` from source ``rec``; (job, reason) with
-    job None when the segment must be computed densely (reason says why)."""
-    from sglang.srt.models.llama import LlamaDecoderLayer
-
-    from sglang_kvshare.integration.injection import gather_aligned
-    from sglang_kvshare.integration.state import context
-
-    runner = scheduler.tp_worker.model_runner
-    if _RUNNER[0] is not runner:
-        return None, "attention_backend"  # row subsets are attended by kvshare_torch only
-    model = runner.model
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not all(type(l).forward is LlamaDecoderLayer.forward for l in layers):
-        return None, "model_not_supported"  # the hook runs the Llama family's decoder layer
-    num_layers = len(layers)
-    hidden = None
-    plan = None
-    if st.method.selector == "droidspeak":
-        prof = droidspeak_profile(context().args.droidspeak_profile, num_layers)
-        plan = get_selector("droidspeak", profile=prof).plan(
-            ratio, SelectionInputs(num_layers=num_layers, seg_len=n)
-        )
-        if plan.is_dense:
-            return None, "dense"
-    needs_hidden = st.method.selector == "relaycaching" or (
-        plan is not None and any(layer > 0 for layer in plan.hidden_state_entries())
-    )
-    if needs_hidden:
-        tokens = req.full_untruncated_fill_ids[span.start : span.start + n]
-        hidden = _STORE.get((st.spec.workflow, span.slot), tokens)
-        if hidden is None:
-            return None, "no_hidden_state"
-    tree = scheduler.tree_cache
-    found = tree.find_source(rec, n)
-    if found is None or len(found[1]) < n:
-        return None, "source_gone"
-    node, src_idx = found
-    lock = tree.lock(node)
-    try:
-        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        k, v = gather_aligned(pool, src_idx.to(torch.int64), span.start - rec.start, rope)
-        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-    finally:
-        tree.unlock(lock)
-    job = RecomputeJob(span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
-    if plan is not None:
-        job.layer_groups = plan.layer_groups
-    return job, None
-
-
-def plan_segment(scheduler, req, st, index: int, span, rec, n: int, rope: RopeSpec):
-    """Decide how ``n`` tokens of ``span`` are shared; returns the InjectResult of an injection
-    (ratio 0) or None (the segment enters the next extend: a job, or dense). Records the
-    request's ``recompute`` entry and mode."""
-    from sglang_kvshare.integration.injection import inject_segment
-    from sglang_kvshare.integration.state import context
-
-    ratio = recompute_ratio(st.spec.recompute_ratio, context().args.recompute_ratio, req.lora_id is not None)
-    num_layers = scheduler.token_to_kv_pool_allocator.get_kvcache().layer_num
-    # token_layers: of the n tokens the source covers (the rest of the span is computed anyway)
-    entry = {"recompute_ratio": ratio, "source_tokens": n, "token_layers": n * num_layers,
-             "recomputed_token_layers": 0}
-    st.recompute[index] = entry
-    if ratio == 0.0:
-        injected = inject_segment(scheduler, req, span, rec, n, rope)
-        if injected is not None:
-            return injected
-        job, reason = None, "injection_failed"  # source gone or no KV slots
-    elif ratio == 1.0:
-        job, reason = None, "dense"
-    else:
-        job, reason = start_job(scheduler, req, st, span, rec, n, rope, ratio)
-    if job is None:
-        entry["recomputed_token_layers"] = n * num_layers
-        st.modes[index] = "recomputed" if reason == "dense" else "computed"
-        if reason != "dense":
-            entry["reason"] = reason
-        return None
-    st.jobs[index] = job
-    st.modes[index] = "recomputed"
-    st.sources[index] = rec.agent
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# the forward (model side)
 
 
 @dataclass
@@ -298,25 +68,6 @@ class Capture:
     tok: torch.Tensor
 
 
-_UNSET = object()
-_ATTR = "_kvshare_recompute"
-# (BatchPlan, active rows or None, per request the indices into rows of its rows or None)
-# while a decoder layer runs
-_CURRENT: list = [None]
-_RUNNER: list = [None]  # the model runner whose attention backend is kvshare_torch
-
-
-def bind_runner(model_runner) -> None:
-    """Called by the ``kvshare_torch`` backend: its runner's pools are the ones jobs write."""
-    _RUNNER[0] = model_runner
-
-
-def current():
-    """(plan, active rows or None, rows split by request or None) of the decoder layer now
-    running, or None."""
-    return _CURRENT[0]
-
-
 @dataclass
 class BatchPlan:
     pieces: list[Piece]
@@ -325,20 +76,21 @@ class BatchPlan:
     lens: list[int]
     prefix: list[int]
     num_rows: int
+    fwd: Any  # the session's ForwardState of this forward
+    runner: Any  # the model runner whose pools the jobs write
+    store: HiddenStore
     states: list = field(default_factory=list)  # ReqShareState of the requests with pieces
     pending_captures: list = field(default_factory=list)  # (key, span, req, lo, hi) at layer 0
 
     @classmethod
-    def build(cls, fb) -> Optional["BatchPlan"]:
-        from sglang_kvshare.integration.state import context
-
-        if _RUNNER[0] is None or not fb.forward_mode.is_extend() or not fb.rids or fb.extend_seq_lens_cpu is None:
+    def build(cls, fb, ses) -> Optional["BatchPlan"]:
+        if ses.runner is None or not fb.forward_mode.is_extend() or not fb.rids or fb.extend_seq_lens_cpu is None:
             return None
-        ctx = context()
+        ctx = ses
         lens = [int(n) for n in fb.extend_seq_lens_cpu]
         prefix = [int(n) for n in fb.extend_prefix_lens_cpu]
         starts = [sum(lens[:i]) for i in range(len(lens))]
-        plan = cls([], [], starts, lens, prefix, sum(lens))
+        plan = cls([], [], starts, lens, prefix, sum(lens), ses.forward_of(fb), ses.runner, ses.hidden)
         for i, rid in enumerate(fb.rids):
             st = ctx.requests.get(rid)
             if st is None or not st.method.selector:
@@ -367,22 +119,21 @@ class BatchPlan:
     # -- layer 0 ------------------------------------------------------------------------------
 
     def begin(self, fb, hidden: torch.Tensor, num_layers: int) -> None:
-        pool = _RUNNER[0].token_to_kv_pool
+        from sglang_kvshare.integration.kv_io import write_layers
+
+        pool = self.runner.token_to_kv_pool
         for p in self.pieces:
             loc = fb.out_cache_loc[p.rows].to(torch.int64)
-            for layer in range(num_layers):
-                k_buf, v_buf = pool.get_key_buffer(layer), pool.get_value_buffer(layer)
-                k_buf[loc] = p.job.k[layer, p.tok].to(k_buf.dtype)
-                v_buf[loc] = p.job.v[layer, p.tok].to(v_buf.dtype)
+            write_layers(pool, loc, p.job.k[:, p.tok].transpose(0, 1), p.job.v[:, p.tok].transpose(0, 1))
             if p.job.plan is not None:  # DroidSpeak
                 p.exec = p.job.plan.mask[:, p.tok].to(hidden.device)
             else:  # check pass first; the rest is selected at layer CHECK_LAYERS
                 p.exec = torch.zeros(num_layers, len(p.rows), dtype=torch.bool, device=hidden.device)
                 p.exec[: min(CHECK_LAYERS, num_layers)] = True
         for key, span, i, lo, hi in self.pending_captures:
-            entry = _STORE.items.get(key)
+            entry = self.store.items.get(key)
             if entry is None or lo == span.start or entry.x.shape[1] != len(span):
-                entry = _STORE.begin(key, num_layers, len(span), hidden.shape[-1], hidden.dtype, hidden.device)
+                entry = self.store.begin(key, num_layers, len(span), hidden.shape[-1], hidden.dtype, hidden.device)
             rows = torch.arange(self.starts[i] + lo - self.prefix[i], self.starts[i] + hi - self.prefix[i])
             tok = torch.arange(lo - span.start, hi - span.start)
             entry.token_ids[tok] = fb.input_ids[rows].cpu().to(torch.int64)
@@ -393,7 +144,7 @@ class BatchPlan:
     def select(self, p: Piece, fb) -> None:
         """Decide CacheBlend / RelayCaching rows from the check layers' K/V: the reused ones of
         the job and the ones the check pass just wrote into the rows' slots."""
-        pool = _RUNNER[0].token_to_kv_pool
+        pool = self.runner.token_to_kv_pool
         loc = fb.out_cache_loc[p.rows].to(torch.int64)
         m = len(p.rows)
         check = range(CHECK_LAYERS)
@@ -426,8 +177,8 @@ class BatchPlan:
             return torch.ones(m)
         i = p.req
         first = self.prefix[i] + int(p.rows[-1]) + 1 - self.starts[i]  # position after the segment
-        slots = _RUNNER[0].req_to_token_pool.req_to_token[fb.req_pool_indices[i], :first].to(torch.int64)
-        keys = _RUNNER[0].token_to_kv_pool.get_key_buffer(layer)[slots]
+        slots = self.runner.req_to_token_pool.req_to_token[fb.req_pool_indices[i], :first].to(torch.int64)
+        keys = self.runner.token_to_kv_pool.get_key_buffer(layer)[slots]
         mass = attention_mass(p.queries, keys, p.scaling)
         return mass[p.job.start + p.tok].cpu()
 
@@ -449,7 +200,7 @@ class BatchPlan:
 
     def run_layer(self, original, layer, positions, hidden, fb, args, kwargs):
         lid = layer.self_attn.attn.layer_id
-        num_layers = _RUNNER[0].token_to_kv_pool.layer_num
+        num_layers = self.runner.token_to_kv_pool.layer_num
         if lid == 0:
             self.begin(fb, hidden, num_layers)
         if self.captures:
@@ -496,11 +247,11 @@ class BatchPlan:
         if rows is not None and lora is not None and lora.batch_info is not None:
             saved = lora.batch_info
             lora.batch_info = self.narrow_lora(saved, parts, len(rows))
-        _CURRENT[0] = (self, rows, parts)
+        self.fwd.running = (self, rows, parts)
         try:
             return original(layer, positions, hidden, fb, *args, **kwargs)
         finally:
-            _CURRENT[0] = None
+            self.fwd.running = None
             if saved is not None:
                 lora.batch_info = saved
 
@@ -531,13 +282,13 @@ class BatchPlan:
 
 
 def _decoder_layer_forward(original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
-    plan = getattr(forward_batch, _ATTR, _UNSET)
-    if plan is _UNSET:
-        plan = BatchPlan.build(forward_batch)
-        setattr(forward_batch, _ATTR, plan)
-    if plan is None:
+    ses = session()
+    fwd = ses.forward_of(forward_batch)
+    if not fwd.planned:
+        fwd.plan = BatchPlan.build(forward_batch, ses)
+    if fwd.plan is None:
         return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
-    return plan.run_layer(original, layer, positions, hidden_states, forward_batch, args, kwargs)
+    return fwd.plan.run_layer(original, layer, positions, hidden_states, forward_batch, args, kwargs)
 
 
 def register_recompute_hooks() -> None:

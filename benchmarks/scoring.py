@@ -22,7 +22,8 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Dict, Optional, Sequence
 
-from sglang_kvshare.workflows.datasets import CHOICE_LETTERS, Task
+from benchmarks.datasets import CHOICE_LETTERS
+from sglang_kvshare.workflows.task import Task
 
 HUMANEVAL_TIMEOUT_S = 5.0
 HUMANEVAL_MEMORY_BYTES = 4 << 30

@@ -1,0 +1,132 @@
+"""Reading and writing K/V in SGLang's token-to-KV pool: the one way the sharing methods touch
+a source cache (:func:`read_source`: find, lock, gather, unlock) and the request's slots."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
+
+from sglang_kvshare.correction import SegmentKV
+from sglang_kvshare.rope import RopeSpec, shift_keys
+from sglang_kvshare.segments.sources import SourceRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InjectResult:
+    """A shared segment now held in the request's slots ``dst`` (committed as prefix)."""
+
+    num_tokens: int
+    source_agent: str
+    dst: torch.Tensor  # [num_tokens] KV slots now holding the segment
+
+
+def kv_layers(pool):
+    """(k_buffer, v_buffer) per layer of an MHA token-to-KV pool: [rows, kv_heads, head_dim]."""
+    for layer_id in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        yield pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+
+
+def stack_kv(pool, idx: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of slots ``idx`` in every layer, stacked along ``dim`` (1: ``[n, L, H, D]``,
+    0: ``[L, n, H, D]``)."""
+    layers = list(kv_layers(pool))
+    return (torch.stack([k_buf[idx] for k_buf, _ in layers], dim=dim),
+            torch.stack([v_buf[idx] for _, v_buf in layers], dim=dim))
+
+
+@contextmanager
+def read_source(tree, rec: SourceRecord, num_tokens: int, *, whole: bool = False) -> Iterator[Optional[torch.Tensor]]:
+    """The slots (int64) holding up to ``num_tokens`` of source ``rec``, locked in the tree while
+    the ``with`` block reads (gathers) or copies them; None when the source is not cached any
+    more (or, with ``whole``, holds fewer than ``num_tokens``)."""
+    found = tree.find_source(rec, num_tokens)
+    if found is None or (whole and len(found[1]) < num_tokens):
+        yield None
+        return
+    node, idx = found
+    lock = tree.lock(node)
+    try:
+        yield idx.to(torch.int64)
+    finally:
+        tree.unlock(lock)
+
+
+@torch.no_grad()
+def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
+    """K/V of slots ``src`` in every layer, keys moved ``delta`` positions (one RoPE rotation
+    for all layers at once): (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
+    keys, values = stack_kv(pool, src)
+    n, L, H, D = keys.shape
+    return shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D), values
+
+
+@torch.no_grad()
+def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec) -> SegmentKV:
+    """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
+    k, v = gather_aligned(pool, idx.to(torch.int64), -start, rope)
+    n, L, H, D = k.shape
+    return SegmentKV(k.reshape(n, L, H * D).transpose(0, 1).contiguous(),
+                     v.reshape(n, L, H * D).transpose(0, 1).contiguous())
+
+
+@torch.no_grad()
+def write_layers(pool, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``[n, L, H, D]`` keys and values into slots ``dst`` of every layer."""
+    for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
+        k_buf[dst] = keys[:, layer].to(k_buf.dtype)
+        v_buf[dst] = values[:, layer].to(v_buf.dtype)
+
+
+@torch.no_grad()
+def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: RopeSpec) -> None:
+    """Write canonical ``kv`` (first ``len(dst)`` rows) into slots ``dst`` at position ``start``."""
+    dst = dst.to(torch.int64)
+    n = len(dst)
+    k_buf0 = next(kv_layers(pool))[0]
+    H, D = k_buf0.shape[1:]
+    L = kv.k.shape[0]
+    k = kv.k[:, :n].transpose(0, 1).reshape(n, L * H, D)
+    k = shift_keys(k.to(k_buf0.dtype), start, rope).reshape(n, L, H, D)
+    write_layers(pool, dst, k, kv.v[:, :n].transpose(0, 1).reshape(n, L, H, D))
+
+
+def kv_bytes_per_token(pool) -> int:
+    """K + V bytes one token takes in the KV pool (all layers)."""
+    return sum(k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
+               for k, v in kv_layers(pool))
+
+
+def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:
+    """Make slots ``dst`` the request's KV for [start, start + len(dst)) and its new prefix."""
+    end = start + len(dst)
+    scheduler.req_to_token_pool.write((req.kv.req_pool_idx, slice(start, end)), dst.to(torch.int32))
+    req.prefix_len = end
+    req.extend_end = end
+    req.kv.kv_allocated_len = end
+    req.kv.kv_committed_len = end
+
+
+def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
+    """``n`` KV slots continuing the request's row at ``start`` (None when the pool is full)."""
+    tree = scheduler.tree_cache
+    try:
+        if scheduler.page_size == 1:
+            return alloc_token_slots(tree, n)
+        row = req.kv.req_pool_idx
+        device = scheduler.req_to_token_pool.device
+        last = scheduler.req_to_token_pool.req_to_token[row, start - 1].reshape(1).to(torch.int64)
+        prefix = torch.tensor([start], dtype=torch.int64)
+        seq = torch.tensor([start + n], dtype=torch.int64)
+        return alloc_paged_token_slots_extend(
+            tree, prefix.to(device), prefix, seq.to(device), seq, last, n
+        )
+    except RuntimeError as e:  # out of KV memory: the segment is computed instead
+        logger.warning("kvshare: no KV slots for injection (%s); computing instead", e)
+        return None
