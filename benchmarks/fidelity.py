@@ -409,7 +409,8 @@ def aggregate(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 LORA_COLUMNS = [
-    ("method", None), ("prompt reuse", "prompt_reuse_later"), ("KL mean", "kl_mean"), ("top1", "top1_agree"),
+    ("method", None), ("prompt reuse", "prompt_reuse_later"), ("KL mean", "kl_mean"),
+        ("KL later", "kl_mean_later"), ("top1", "top1_agree"),
     ("exact", "exact_match"), ("lead", "lead_agree"), ("computed", "computed_tokens"),
     ("rebuild", "rebuild_tokens"), ("KV B/token", "kv_bytes_per_token"),
     ("LR B/token/agent", "lr_bytes_per_token_per_agent"), ("accuracy", "accuracy"), ("tasks", "tasks"),
@@ -419,7 +420,8 @@ LORA_COLUMNS = [
 def markdown_table(summary: Dict[str, Dict[str, Any]], lora: bool = False) -> str:
     cols = LORA_COLUMNS if lora else [
         ("method", None), ("rho", "rho"), ("KV err mean", "kv_err_mean"), ("KV err pooled", "kv_err_pooled"),
-        ("KV err all-shared", "kv_err_all_shared_pooled"), ("KL mean", "kl_mean"), ("top1", "top1_agree"),
+        ("KV err all-shared", "kv_err_all_shared_pooled"), ("KL mean", "kl_mean"),
+        ("KL later", "kl_mean_later"), ("top1", "top1_agree"),
         ("exact", "exact_match"), ("lead", "lead_agree"), ("computed", "computed_tokens"),
         ("acc/rej", None), ("anchor bytes", "anchor_bytes"), ("accuracy", "accuracy"), ("tasks", "tasks"),
     ]
@@ -555,10 +557,38 @@ class Backend:
             self.server.stop()
 
 
+def measured_and_warmup_tasks(dataset: str, n: int, warmup: int, seed: int = 0):
+    """(the ``n`` measured tasks, ``warmup`` other tasks): the measured ones are those of a run
+    without warm-up (``load_tasks`` keeps a smaller n a subset of a larger one)."""
+    tasks = load_tasks(dataset, n, seed=seed)
+    measured = {t.id for t in tasks}
+    rest = [t for t in load_tasks(dataset, n + warmup, seed=seed) if t.id not in measured]
+    return tasks, rest[:warmup]
+
+
+def warm_up(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: str) -> int:
+    """Run the correction methods of ``plan`` over ``tasks`` (distinct from the measured ones),
+    unshadowed and unrecorded, so the measured tasks meet warm anchor pools and a settled online
+    tau, as a long-running server would; returns the workflows run."""
+    send = http_sender(backend.url, timeout=args.request_timeout)
+    todo = [p for p in plan if get_method(p[1]).corrector is not None]
+    bar = tqdm(total=len(tasks) * len(todo), desc="warm-up", unit="wf", dynamic_ncols=True)
+    for task in tasks:
+        for label, method, tau, *ratio in todo:
+            bar.set_postfix_str(f"{label} {task.id}")
+            run_one(send, task, roles, f"warmup-{label}", method, tau, tag, args.max_new_tokens, False,
+                    backend.dump_root, False, *ratio)
+            bar.update(1)
+    bar.close()
+    return len(tasks) * len(todo)
+
+
 def run_plan(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: str,
-             results: Dict[str, Any], section: str, save) -> None:
-    """Task-major loop over the (label, method, tau[, recompute_ratio]) of ``plan``; saves after
-    every task."""
+             results: Dict[str, Any], section: str, save, warmup_tasks=()) -> None:
+    """Task-major loop over the (label, method, tau[, recompute_ratio]) of ``plan``, after the
+    correction methods' warm-up over ``warmup_tasks``; saves after every task."""
+    if warmup_tasks:
+        results["config"][section + "_warmup_workflows"] = warm_up(args, backend, warmup_tasks, roles, plan, tag)
     send = http_sender(backend.url, timeout=args.request_timeout)
     runs: Dict[str, List] = results.setdefault(section + "_runs", {})
     bar = tqdm(total=len(tasks) * len(plan), desc=section, unit="wf", dynamic_ncols=True)
@@ -605,6 +635,9 @@ def parse_args(argv=None):
                     "gsm8k with --agents lora)")
     ap.add_argument("--tasks", type=int, default=40, help="tasks (default 40)")
     ap.add_argument("--quick", action="store_true", help="4 tasks, smoke run")
+    ap.add_argument("--warmup-tasks", type=int, default=0,
+                    help="tasks (distinct from the measured ones) that the correction methods run "
+                         "first, unrecorded, so the measured tasks meet warm anchor pools")
     ap.add_argument("--seed", type=int, default=0, help="task sampling seed of load_tasks")
     ap.add_argument("--methods", default=None,
                     help=f"comma list of {', '.join(KNOWN_METHODS)} (default: {', '.join(MAIN_METHODS)}; "
@@ -636,6 +669,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks = min(args.tasks, 4)
+    if args.warmup_tasks < 0:
+        ap.error("--warmup-tasks must be >= 0")
     lora = args.agents == "lora"
     args.dataset = args.dataset or ("gsm8k" if lora else "mmlu")
     if args.methods is None:
@@ -694,14 +729,15 @@ def main(argv=None) -> int:
         return 0
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvshare-fidelity-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    tasks = load_tasks(args.dataset, args.tasks, seed=args.seed)
+    tasks, warmup_tasks = measured_and_warmup_tasks(args.dataset, args.tasks, args.warmup_tasks, args.seed)
     lora = args.agents == "lora"
     roles = lora_conversation_roles(args.dataset) if lora else get_roles(args.dataset)
     tag = uuid.uuid4().hex[:8]
     results: Dict[str, Any] = {
         "config": {
             "agents_kind": args.agents, "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
-            "agents": [r.name for r in roles.roles], "methods": args.method_list, "tau": args.tau,
+            "agents": [r.name for r in roles.roles], "methods": args.method_list,
+            "warmup_tasks": [t.id for t in warmup_tasks], "tau": args.tau,
             "tau_sweep": args.taus, "sweep_methods": args.sweep_methods.split(","),
             "max_new_tokens": args.max_new_tokens, "top_k": TOP_K, "temperature": 0.0,
             "max_total_tokens": args.max_total_tokens, "run_tag": tag, "workdir": str(workdir),
@@ -730,7 +766,7 @@ def main(argv=None) -> int:
                 if args.droidspeak_profile else []
             backend = Backend(args, workdir, name, lr_cache=lr_cache, extra_flags=profile)
             try:
-                run_plan(args, backend, tasks, roles, group, tag, results, "main", save)
+                run_plan(args, backend, tasks, roles, group, tag, results, "main", save, warmup_tasks)
             finally:
                 backend.stop()
         summary = results["main"]

@@ -185,6 +185,8 @@ class PointSpec:
     seed: int
     kind: str = "prompt"
     prefix: str = ""
+    concurrency: int = 0  # > 0: closed loop, this many workflows in flight, no arrival times
+
 
 
 def arrival_offsets(rate: float, n: int, seed: int) -> Optional[List[float]]:
@@ -415,8 +417,9 @@ def pct(values: Sequence[float]) -> Optional[Dict[str, float]]:
 
 
 def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int], timeout: float, bar) -> Dict[str, Any]:
-    """``spec.workflows`` workflows at ``spec.rate``; returns the point's metrics."""
-    offsets = arrival_offsets(spec.rate, spec.workflows, spec.seed)
+    """``spec.workflows`` workflows at ``spec.rate`` (or closed-loop at ``spec.concurrency``);
+    returns the point's metrics."""
+    offsets = None if spec.concurrency else arrival_offsets(spec.rate, spec.workflows, spec.seed)
     lock = threading.Lock()
 
     def tick():
@@ -438,11 +441,11 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
             recs = run_workflow(url, spec, contexts[k], wf, timeout, tick)
             results[k] = {"arrival": start, "records": recs}
 
-        if offsets is None:  # single stream
+        if offsets is None and not spec.concurrency:  # single stream
             for k in range(spec.workflows):
                 one(k)
         else:
-            with ThreadPoolExecutor(max_workers=spec.workflows) as pool:
+            with ThreadPoolExecutor(max_workers=spec.concurrency or spec.workflows) as pool:
                 futures = [pool.submit(one, k) for k in range(spec.workflows)]
                 for f in futures:
                     f.result()  # each request is bounded by its timeout
@@ -478,6 +481,8 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "workflow_latency_s": pct(wf_lat),
         "makespan_s": makespan,
         "achieved_wf_per_s": (len(wf_lat) / makespan) if makespan else None,
+        "steady_wf_per_s": steady_throughput([wf["records"][-1]["end"] for wf in results
+                                              if wf and wf["records"] and "error" not in wf["records"][-1]]),
         "output_tokens": out_tok, "prompt_tokens": prompt_tok,
         "computed_tokens": total("computed_tokens"), "reused_tokens": reused, "shared_tokens": shared,
         "output_tok_s": (out_tok / makespan) if out_tok and makespan else None,
@@ -499,6 +504,13 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "peak_gpu_mb": mem.peak_gpu,
         "peak_kv_tokens": mem.peak_kv_tokens, "peak_kv_mb": mem.peak_kv_mb,
     }
+
+
+def steady_throughput(ends: List[float]) -> Optional[float]:
+    """Workflows per second between the first and the last completion: (n - 1) / span, free of
+    the ramp-up before the first completion (None with fewer than two)."""
+    ends = sorted(ends)
+    return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None
 
 
 def get_path(d: Dict[str, Any], dotted: str):
@@ -637,6 +649,30 @@ def saturation(points: List[Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, Op
     return out
 
 
+def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[float]]]]:
+    """Closed loop (``--capacity C``): per context and method, ``--workflows`` workflows with C in
+    flight (a new one starts when one ends), after the method's warm-up. The completion rate is
+    the arrival rate the server can sustain: its saturation rate. Per method: ``wf_per_s``
+    (steady window), ``vs_nonshared``, the later agents' TTFT p50 and rho."""
+    out: Dict[str, Dict[str, Dict[str, Optional[float]]]] = {}
+    for context in args.contexts:
+        rows = out.setdefault(str(context), {})
+        for method in args.methods:
+            runner.warm_up(context, method, args.base_agents, args.base_rounds)
+            spec = PointSpec(context, 0.0, method, args.base_agents, args.base_rounds, args.workflows,
+                             args.output_len, args.seed, args.agent_kind, concurrency=args.capacity)
+            runner.bar.set_description(f"capacity ctx {context} C={args.capacity} {method}")
+            res = runner.run(spec, f"cap{args.capacity}", "capacity")
+            rows[method] = {"wf_per_s": res["steady_wf_per_s"], "wf_per_s_makespan": res["achieved_wf_per_s"],
+                            "ttft_later_p50_s": get_path(res, "ttft_later_s.p50"), "rho_later": res["rho_later"],
+                            "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
+                            "errors": res["errors"]}
+        base = (rows.get(BASELINE) or {}).get("wf_per_s")
+        for row in rows.values():
+            row["vs_nonshared"] = (row["wf_per_s"] / base) if base and row["wf_per_s"] else None
+    return out
+
+
 def scaling_sweeps(runner: Runner, args) -> Dict[str, List[Dict[str, Any]]]:
     out: Dict[str, List[Dict[str, Any]]] = {"agents": [], "rounds": []}
     for n in args.agents:
@@ -705,6 +741,17 @@ def markdown(results: Dict[str, Any]) -> str:
             for m, row in rows.items():
                 lines.append(f"| {ctx} | {m} | {_fmt(row['sustained'], 'g')} | {_fmt(row['first_saturated'], 'g')} | "
                              f"{_fmt(row['sustained_vs_nonshared'], '.2f')} |")
+    cap = results.get("capacity") or {}
+    if cap:
+        lines += ["", f"capacity (closed loop, {results['config'].get('capacity')} workflows in flight; completions "
+                  "per second between the first and the last = the sustainable arrival rate):", "",
+                  "| ctx | method | wf/s | vs nonshared | later TTFT p50 s | wf latency p50 s | rho_later |",
+                  "|---:|---|---:|---:|---:|---:|---:|"]
+        for ctx, rows in cap.items():
+            for m, row in rows.items():
+                lines.append(f"| {ctx} | {m} | {_fmt(row['wf_per_s'], '.4f')} | {_fmt(row['vs_nonshared'], '.2f')} | "
+                             f"{_fmt(row['ttft_later_p50_s'], '.2f')} | {_fmt(row['workflow_latency_p50_s'], '.1f')} | "
+                             f"{_fmt(row['rho_later'], '.2f')} |")
     for kind, pts in results.get("scaling", {}).items():
         if not pts:
             continue
@@ -916,6 +963,9 @@ def parse_args(argv=None):
     ap.add_argument("--scaling-rate", type=float, default=0.0)
     ap.add_argument("--scaling-workflows", type=int, default=2)
     ap.add_argument("--saturation-factor", type=float, default=2.0)
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="also measure each method's capacity: --workflows workflows per context in a closed "
+                         "loop with this many in flight (0: skip)")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
@@ -942,6 +992,8 @@ def parse_args(argv=None):
         if args.url is None:
             args.server_arg = list(LORA_SERVER_ARGS) + args.server_arg
     args.rates = sorted(args.rates)
+    if args.capacity < 0:
+        ap.error("--capacity must be >= 0")
     for name in ("workflows", "output_len", "base_agents", "base_rounds", "scaling_workflows"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -977,6 +1029,7 @@ def main(argv=None) -> Dict[str, Any]:
         per_point = lambda a, r, w: turns_of(a, r) * w * len(args.methods)  # noqa: E731
         total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
         total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
+        total += per_point(args.base_agents, args.base_rounds, args.workflows) * len(args.contexts) * bool(args.capacity)
         total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
         from sglang_kvshare.methods import get_method
 
@@ -994,6 +1047,7 @@ def main(argv=None) -> Dict[str, Any]:
                     run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
             runner.pre_serve()
             points, skipped = qps_sweep(runner, args)
+            cap = capacity(runner, args) if args.capacity else {}
             scaling = scaling_sweeps(runner, args)
         results = {
             "benchmark": "serving",
@@ -1009,6 +1063,7 @@ def main(argv=None) -> Dict[str, Any]:
             "qps_sweep": points,
             "saturation": saturation(points),
             "skipped": skipped,
+            "capacity": cap,
             "timeline": runner.timeline,
             "scaling": scaling,
         }

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_serving_quick(tiny_server, tmp_path):
     out = tmp_path / "serving.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serving", "--url", tiny_server.url, "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.serving", "--url", tiny_server.url, "--quick", "--capacity", "2", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -27,6 +27,13 @@ def test_serving_quick(tiny_server, tmp_path):
     points = res["qps_sweep"]
     assert [(p["context"], p["rate"]) for p in points] == [(c, r) for c in cfg["contexts"] for r in cfg["rates"]]
     assert set(res["scaling"]) == {"agents", "rounds"}
+    # closed loop: every method of every context completed its workflows, rates relative to nonshared
+    assert set(res["capacity"]) == {str(c) for c in cfg["contexts"]}
+    for rows in res["capacity"].values():
+        assert set(rows) == set(cfg["methods"])
+        for m, row in rows.items():
+            assert row["errors"] == 0 and row["wf_per_s"] > 0 and row["wf_per_s_makespan"] > 0, (m, row)
+        assert rows["nonshared"]["vs_nonshared"] == 1.0
     assert [p["agents"] for p in res["scaling"]["agents"]] == cfg["agents"]
     assert [p["rounds"] for p in res["scaling"]["rounds"]] == cfg["rounds"]
     for p in points + res["scaling"]["agents"] + res["scaling"]["rounds"]:
