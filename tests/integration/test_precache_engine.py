@@ -197,3 +197,53 @@ def test_lr_cache_server_refuses_correcting_and_recomputing_methods_for_adapters
         r = ours.generate(body)
         assert r.status_code == 400 and "corrects or recomputes" in r.text, method
     assert ask(ours, "w-refuse", "prelr_shared", 1)["meta_info"]["kvshare"]["method"] == "prelr_shared"
+
+
+def test_one_server_serves_prompt_agents_and_lora_agents_concurrently(lr_servers, tiny_model):
+    """On an LR-cache server, base-model prompt-agent workflows use kvcmas, fullshared and a
+    recomputing method while LoRA agents use PreLRShared, all at once. Each base-model request's
+    cache is the plain model's (no LR term, no adapter delta): its nonshared answer is stock's
+    without an adapter, its kvcmas gate opens on the anchors of earlier base-model workflows."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.workflow_helpers import payload, segments, settle
+
+    ours, stock = lr_servers
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def prompt_workflow(wf, method, question, **extra):
+        outputs, metas = {}, []
+        for agent in ("solver", "critic", "final"):
+            r = ours.generate(payload(wf, agent, method, segments(agent, outputs, question=question, slot="q-mixed"),
+                                      6, **extra))
+            assert r.status_code == 200, r.text
+            out = r.json()
+            metas.append(out["meta_info"]["kvshare"])
+            outputs[agent] = out["text"] or "-"
+        return metas
+
+    def question(seed):
+        return f"Question {seed}: " + " ".join(f"box {i} holds {(7 * i + seed) % 50} apples." for i in range(16))
+
+    for seed in (1, 2):  # two base-model workflows: the kvcmas slot's pool gets two anchors per edge
+        prompt_workflow(f"mixed-warm-{seed}", "kvcmas", question(seed), tau=1.0)
+    settle(ours)
+    jobs = {
+        "kvcmas": lambda: prompt_workflow("mixed-kvcmas", "kvcmas", question(3), tau=1.0),
+        "fullshared": lambda: prompt_workflow("mixed-full", "fullshared", question(4)),
+        "cacheblend": lambda: prompt_workflow("mixed-blend", "cacheblend", question(5)),
+        "prelr": lambda: [ask(ours, "mixed-lora", "prelr_shared", t)["meta_info"]["kvshare"] for t in range(4)],
+        "base_nonshared": lambda: ask(ours, "mixed-base", "nonshared", 3, lora=False, max_new_tokens=10),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        res = {name: f.result() for name, f in futures.items()}
+    assert res["base_nonshared"]["output_ids"] == stock_generate(stock, stock_ids(tok, 3), None, 10)
+    critic_q = res["kvcmas"][1]["segments"][1]
+    assert critic_q["mode"] == "corrected" and critic_q["gate"] == "accepted", critic_q
+    for meta in res["fullshared"][1:]:
+        assert meta["injected_tokens"] > 0 and meta["computed_tokens"] < meta["prompt_tokens"]
+    q = res["cacheblend"][1]["segments"][1]  # the critic's question: recomputed from the solver's (2 layers: CacheBlend's check pass is all of them)
+    assert q["mode"] == "recomputed" and q["source_agent"] == "solver" and q["recomputed_token_layers"] > 0, q
+    for t, meta in enumerate(res["prelr"][1:], start=1):
+        assert meta["method"] == "prelr_shared" and meta["computed_tokens"] < meta["prompt_tokens"], t
