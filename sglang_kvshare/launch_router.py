@@ -19,9 +19,11 @@ launcher exits when the router exits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,8 +88,16 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, List[str]]:
     return ns, rest
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def router_argv(router_host: str, router_port: int, worker_urls: Sequence[str], extra: Sequence[str]) -> List[str]:
     argv = ["--host", router_host, "--port", str(router_port), "--worker-urls", *worker_urls]
+    if not has_flag(extra, "--prometheus-port"):  # smg's default, 0.0.0.0:29000, clashes between routers
+        argv += ["--prometheus-host", router_host, "--prometheus-port", str(free_port(router_host))]
     for flag, value in ROUTER_DEFAULTS:
         if not has_flag(extra, flag):
             argv += [flag] if value is None else [flag, value]
@@ -116,6 +126,30 @@ def worker_argv(rest: Sequence[str], host: str, port: int, index: int, workers: 
                         or (i > 0 and argv[i - 1] == "--kvshare-anchor-pool"))]
         argv += ["--kvshare-anchor-pool", own]
     return [sys.executable, "-m", "sglang_kvshare.launch_server", *argv, "--host", host, "--port", str(port)]
+
+
+def router_workers(url: str, timeout: float = 5) -> Optional[List[dict]]:
+    """The router's registered workers (``GET /workers``), None if it does not answer."""
+    try:
+        with urllib.request.urlopen(url + "/workers", timeout=timeout) as r:
+            return json.loads(r.read())["workers"]
+    except Exception:
+        return None
+
+
+def wait_router(url: str, n: int, timeout: float = 600, proc: Optional[subprocess.Popen] = None) -> None:
+    """Wait until the router at ``url`` has ``n`` healthy workers registered (its ``/health``
+    answers before it has any)."""
+    deadline = time.time() + timeout
+    while True:
+        workers = router_workers(url) or []
+        if len(workers) >= n and all(w.get("is_healthy", True) for w in workers):
+            return
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the router exited ({proc.returncode}) before it was ready")
+        if time.time() > deadline:
+            raise RuntimeError(f"the router at {url} has {len(workers)} of {n} healthy workers after {timeout} s")
+        time.sleep(0.5)
 
 
 def healthy(url: str, timeout: float = 5) -> bool:
@@ -213,11 +247,15 @@ class Launcher:
             router = self._spawn("router", [sys.executable, "-m", "smg.launch_router",
                                             *router_argv(ns.host, ns.port, urls, ns.router_arg)])
             url = f"http://{ns.host}:{ns.port}"
-            print(f"{PROG}: {len(urls)} workers ({' '.join(urls)}) behind the router at {url}",
+            wait_router(url, len(urls), proc=router)
+            print(f"{PROG}: ready: {len(urls)} workers ({' '.join(urls)}) behind the router at {url}",
                   file=sys.stderr, flush=True)
             return router.wait()
         except KeyboardInterrupt:
             return 0
+        except RuntimeError as e:
+            print(f"{PROG}: {e}", file=sys.stderr, flush=True)
+            return 1
         finally:
             self.stop()
 

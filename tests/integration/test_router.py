@@ -16,6 +16,7 @@ import psutil
 import pytest
 import requests
 
+from sglang_kvshare.launch_router import wait_router
 from sglang_kvshare.routing import ROUTING_KEY_HEADER, routing_headers
 from sglang_kvshare.workflows.transport import ServerError, http_sender
 from tests.integration.server import Server
@@ -51,6 +52,11 @@ def cluster(tmp_path_factory, tiny_model):
         d / "launcher.log", timeout=1500,
     )
     server.worker_urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    try:
+        wait_router(server.url, 2, timeout=120)
+    except BaseException:
+        server.stop()
+        raise
     yield server
     server.stop()
 
