@@ -54,6 +54,7 @@ ROUTER_DEFAULTS = (
     ("--retry-max-retries", "6"),
     ("--retry-max-backoff-ms", "4000"),
     ("--request-timeout-secs", "3600"),
+    ("--shutdown-grace-period-secs", "5"),
     ("--worker-startup-timeout-secs", "1800"),
     ("--log-level", "warn"),
 )
@@ -75,8 +76,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, List[str]]:
                         help="write worker-<i>.log and router.log here (default: this terminal)")
     parser.add_argument("--worker-timeout", type=float, default=1800,
                         help="seconds to wait for the workers' /health (default 1800)")
-    parser.add_argument("--stop-timeout", type=float, default=30,
-                        help="seconds a child gets after SIGTERM before SIGKILL (default 30)")
+    parser.add_argument("--stop-timeout", type=float, default=20,
+                        help="seconds the children get after SIGTERM before SIGKILL (default 20)")
     parser.add_argument("-h", "--help", action="store_true")
     ns, rest = parser.parse_known_args(list(argv))
     if ns.help:
@@ -209,29 +210,35 @@ class Launcher:
             time.sleep(1)
 
     def stop(self) -> None:
-        """Router first (no new requests reach the workers), then the workers."""
-        for name, proc in reversed(self.children):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        """Router first (no new requests reach the workers), then the workers, all within
+        ``--stop-timeout`` seconds; SIGKILL to whatever is left."""
+        deadline = time.time() + self.ns.stop_timeout
+        for name, proc in reversed(self.children):  # the router was started last
+            self._signal(proc, signal.SIGTERM)
             if name == "router":
-                self._wait_or_kill(proc)
+                self._wait(proc, min(deadline, time.time() + self.ns.stop_timeout / 3))
         for name, proc in self.children:
-            self._wait_or_kill(proc)
+            if not self._wait(proc, deadline):
+                self._signal(proc, signal.SIGKILL)
+                proc.wait()
         for f in self._logs:
             f.close()
 
-    def _wait_or_kill(self, proc: subprocess.Popen) -> None:
-        try:
-            proc.wait(timeout=self.ns.stop_timeout)
-        except subprocess.TimeoutExpired:
+    @staticmethod
+    def _signal(proc: subprocess.Popen, sig: int) -> None:
+        if proc.poll() is None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
-            proc.wait()
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen, deadline: float) -> bool:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
     def run(self) -> int:
         def on_signal(signum, frame):
