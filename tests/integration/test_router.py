@@ -127,6 +127,18 @@ def test_workflow_sender_and_chat_carry_the_workflow(cluster):
     assert seg["slot"] == "q" and seg["mode"] == "injected"
 
 
+def test_frontend_program_reuses_through_the_router(cluster):
+    """An ``@sgl.function`` workflow on ``KVShareEndpoint(router)``: its requests carry the key."""
+    from examples.prompt_agents import run_workflow
+    from sglang_kvshare.frontend import KVShareEndpoint
+    from sglang_kvshare.workflows import get_roles
+
+    endpoint = KVShareEndpoint(cluster.url, method="fullshared", chat_template_name="chatml")
+    results = run_workflow(endpoint, get_roles("mmlu").roles[:3], question=SHORT_Q, max_tokens=3, ignore_eos=True)
+    for r in results[1:]:
+        assert r["kvshare"]["injected_tokens"] > 0, r["kvshare"]
+
+
 def test_workflows_spread_over_both_workers(cluster):
     """The interleaved workflows were placed on both workers (each pinned to its own), so the
     reuse above needed the affinity."""
