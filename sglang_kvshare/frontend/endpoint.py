@@ -10,9 +10,10 @@ from typing import Any, Dict, Optional
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.global_config import global_config
 from sglang.lang.ir import SglSamplingParams
-from sglang.utils import http_request
+import requests
 
 from sglang_kvshare.frontend.markup import _MARKER_RE, MarkupError, build_request, kvshare_meta, plain_text
+from sglang_kvshare.routing import routing_headers
 
 
 _DEFAULT_TEMPLATES = (("smollm", "chatml"),)
@@ -83,13 +84,22 @@ class KVShareEndpoint(RuntimeEndpoint):
                 data[item] = value
         return data
 
+    def _post(self, data: Dict[str, Any], stream: bool = False) -> requests.Response:
+        """POST an annotated body to /generate with the workflow's routing-key header (behind
+        ``launch_router`` it pins the workflow to one worker; a single server ignores it)."""
+        headers = {"Content-Type": "application/json; charset=utf-8", **routing_headers(data)}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return requests.post(self.base_url + "/generate", json=data, stream=stream, headers=headers,
+                             verify=self.verify if self.verify is not None else True)
+
     # ------------------------------------------------------------------ BaseBackend API
 
     def generate(self, s, sampling_params: SglSamplingParams):
         data = self._annotated(s, sampling_params)
         if data is None:
             return super().generate(s, sampling_params)
-        res = http_request(self.base_url + "/generate", json=data, api_key=self.api_key, verify=self.verify)
+        res = self._post(data)
         self._assert_success(res)
         obj = res.json()
         return obj["text"], obj["meta_info"]
@@ -100,9 +110,7 @@ class KVShareEndpoint(RuntimeEndpoint):
             yield from super().generate_stream(s, sampling_params)
             return
         data["stream"] = True
-        res = http_request(
-            self.base_url + "/generate", json=data, stream=True, api_key=self.api_key, verify=self.verify
-        )
+        res = self._post(data, stream=True)
         self._assert_success(res)
         pos = 0
         for chunk in res.iter_lines(decode_unicode=False):
