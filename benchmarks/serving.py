@@ -78,6 +78,7 @@ from tqdm import tqdm
 
 from benchmarks.fidelity import ADAPTERS
 from benchmarks.fidelity_metrics import recomputed_reuse
+from sglang_kvshare.routing import routing_headers
 from sglang_kvshare.workflows import (
     Role,
     build_payload,
@@ -221,7 +222,9 @@ def stream_generate(session: requests.Session, url: str, payload: Dict[str, Any]
     """POST a streamed /generate; returns ttft_s, e2e_s, text, meta (of the last chunk)."""
     body = dict(payload, stream=True)
     t0 = time.perf_counter()
-    with session.post(url + "/generate", json=body, stream=True, timeout=timeout) as r:
+    # the routing-key header keeps a workflow on one worker behind launch_router (ignored by one server)
+    with session.post(url + "/generate", json=body, stream=True, timeout=timeout,
+                      headers=routing_headers(payload)) as r:
         if r.status_code != 200:
             raise RequestFailed(f"HTTP {r.status_code}: {r.text[:1000]}")
         ttft, last = None, None
