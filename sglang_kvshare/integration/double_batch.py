@@ -37,9 +37,8 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_kvshare.integration.plugin import session
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY
+from sglang_kvshare.integration.state import META_KEY, wire_spec_of
 from sglang_kvshare.methods import get_method
-from sglang_kvshare.segments import WireSpec
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +55,8 @@ def is_db_request(recv_req) -> bool:
     """An adapted request under ``rebase_shared_db``."""
     if recv_req.lora_id is None:
         return False
-    params = getattr(recv_req.sampling_params, "custom_params", None)
-    if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
-        return False
-    return get_method(WireSpec.loads(params[CUSTOM_PARAM_KEY]).method).lr_sharing == "rebase_db"
+    spec = wire_spec_of(recv_req)
+    return spec is not None and get_method(spec.method).lr_sharing == "rebase_db"
 
 
 def _queued(scheduler, rid: str):

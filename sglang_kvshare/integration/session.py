@@ -12,9 +12,8 @@ from cachetools import FIFOCache
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration.hidden_store import HiddenStore
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY, ReqShareState
+from sglang_kvshare.integration.state import META_KEY, ReqShareState, wire_spec_of
 from sglang_kvshare.methods import get_method
-from sglang_kvshare.segments import WireSpec
 from sglang_kvshare.segments.sources import SourceRegistry, common_prefix
 
 logger = logging.getLogger(__name__)
@@ -220,12 +219,11 @@ class Session:
         st = self.requests.get(req.rid)
         if st is not None:
             return st
-        params = getattr(req.sampling_params, "custom_params", None)
-        if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
+        spec = wire_spec_of(req)
+        if spec is None:
             return None
         from sglang_kvshare.integration.sharing import family_of
 
-        spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
         st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
         self.requests[req.rid] = st
         family_of(st.method).admit(self, req, st)
