@@ -45,7 +45,7 @@ from sglang_kvshare.correction.base import (
     check_pair,
 )
 from sglang_kvshare.correction.gate import gate, token_weights
-from sglang_kvshare.correction.pool import Anchor, AnchorPool, fingerprint
+from sglang_kvshare.correction.pool import Anchor, AnchorPool, bytes_per_token, fingerprint
 from sglang_kvshare.lowrank import Factor, FactorBatch, factorize
 
 
@@ -151,32 +151,20 @@ class AnchorPoolCorrector(Corrector):
 
     def state_dict(self) -> dict:
         """Every pool's anchors as plain values and tensors (``correction.store``)."""
-        from sglang_kvshare.correction.store import factor_state
+        from sglang_kvshare.correction.store import anchor_state
 
-        return {"pools": {
-            slot: [{
-                "base": [factor_state(a.base_k), factor_state(a.base_v)],
-                "deltas": {t: [factor_state(dk), factor_state(dv)] for t, (dk, dv) in a.deltas.items()},
-                "source_agent": a.source_agent, "key": list(a.key), "use_count": a.use_count,
-            } for a in pool.anchors]
-            for slot, pool in self._pools.items()
-        }}
+        return {"pools": {slot: [anchor_state(a) for a in pool.anchors] for slot, pool in self._pools.items()}}
 
     def load_state_dict(self, state: dict) -> int:
         """Add the anchors of ``state_dict()`` output, oldest first, under this corrector's pool
         capacity; returns how many were added."""
-        from sglang_kvshare.correction.store import factor_from_state
+        from sglang_kvshare.correction.store import anchor_from_state
 
         cfg, n = self.config, 0
         for slot, anchors in state["pools"].items():
             pool = self._pools.setdefault(slot, AnchorPool(cfg.num_anchors, cfg.num_oldest, cfg.max_bytes_per_slot))
             for d in anchors:
-                anchor = Anchor(
-                    base_k=factor_from_state(d["base"][0]), base_v=factor_from_state(d["base"][1]),
-                    deltas={t: (factor_from_state(dk), factor_from_state(dv)) for t, (dk, dv) in d["deltas"].items()},
-                    source_agent=d["source_agent"], key=tuple(d["key"]), use_count=int(d["use_count"]),
-                )
-                pool.insert(anchor)
+                pool.insert(anchor_from_state(d))
                 n += 1
         return n
 
@@ -232,7 +220,7 @@ class AnchorPoolCorrector(Corrector):
         tau: float,
     ) -> CorrectionResult:
         members, k, reason = self.members(slot, target_agent, base.seq_len)
-        per_token = _bytes_per_token(members, target_agent)
+        per_token = bytes_per_token(members, target_agent)
         if reason:
             return CorrectionResult.reject(reason, num_anchors=len(members), anchor_bytes_per_token=per_token)
         sq, dist_v = self._value_distances(base, members, k)
@@ -351,14 +339,3 @@ class AnchorPoolCorrector(Corrector):
     ) -> torch.Tensor:
         """Final delta [c, k, D] of a block of layers (which: 0 keys, 1 values) from the mix."""
         return mix
-
-
-def _bytes_per_token(members: List[Anchor], target_agent: str) -> Optional[float]:
-    """Mean over ``members`` of (base + the target's delta) bytes per covered token."""
-    if not members:
-        return None
-    total = 0.0
-    for a in members:
-        dk, dv = a.deltas[target_agent]
-        total += (a.base_k.nbytes + a.base_v.nbytes + dk.nbytes + dv.nbytes) / a.seq_len
-    return total / len(members)

@@ -140,3 +140,14 @@ def evict_lfu_oldest(correctors: Iterable, max_bytes: int, num_oldest: int = 5, 
         owner.remove(slot, anchor)
         evicted += 1
     return evicted
+
+
+def bytes_per_token(members: List[Anchor], target_agent: str) -> Optional[float]:
+    """Mean over ``members`` of (base + the target's delta) bytes per covered token."""
+    if not members:
+        return None
+    total = 0.0
+    for a in members:
+        dk, dv = a.deltas[target_agent]
+        total += (a.base_k.nbytes + a.base_v.nbytes + dk.nbytes + dv.nbytes) / a.seq_len
+    return total / len(members)

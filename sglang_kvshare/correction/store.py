@@ -33,6 +33,26 @@ def factor_from_state(d: Mapping[str, torch.Tensor]) -> Factor:
     return LowRank(d["A"], d["B"]) if "A" in d else Dense(d["Z"])
 
 
+def anchor_state(a) -> Dict[str, Any]:
+    """One ``pool.Anchor`` as plain values and tensors."""
+    return {
+        "base": [factor_state(a.base_k), factor_state(a.base_v)],
+        "deltas": {t: [factor_state(dk), factor_state(dv)] for t, (dk, dv) in a.deltas.items()},
+        "source_agent": a.source_agent, "key": list(a.key), "use_count": a.use_count,
+    }
+
+
+def anchor_from_state(d: Mapping[str, Any]):
+    """The ``pool.Anchor`` of an ``anchor_state`` output."""
+    from sglang_kvshare.correction.pool import Anchor
+
+    return Anchor(
+        base_k=factor_from_state(d["base"][0]), base_v=factor_from_state(d["base"][1]),
+        deltas={t: (factor_from_state(dk), factor_from_state(dv)) for t, (dk, dv) in d["deltas"].items()},
+        source_agent=d["source_agent"], key=tuple(d["key"]), use_count=int(d["use_count"]),
+    )
+
+
 def save(path: str, header: Mapping[str, Any], correctors: Mapping[str, Any]) -> None:
     """Write the state of ``correctors`` (name -> object with ``state_dict()``) atomically."""
     payload = {

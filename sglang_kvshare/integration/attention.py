@@ -42,18 +42,18 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         self.model_runner = model_runner
         session().runner = model_runner  # its pools are the ones recompute jobs write
         self.lr = None
-        self._paged = (None, None)  # (forward batch, its paged indices), shared by all layers
 
     def init_forward_metadata(self, forward_batch):
         super().init_forward_metadata(forward_batch)
-        self._paged = (None, None)
-        self.lr = session().init_lr(self.model_runner)
+        ses = session()
+        fwd = ses.begin_forward(forward_batch)
+        self.lr = ses.init_lr(self.model_runner)
         if self.lr is not None:
-            self.lr.begin_forward(forward_batch)
+            fwd.lr_columns = self.lr.columns(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        fwd = session().forward
-        running = fwd.running if fwd is not None and fwd.batch is forward_batch else None
+        fwd = session().running_forward(forward_batch)
+        running = None if fwd is None else fwd.running
         if running is not None:
             plan, rows, parts = running
             plan.observe_queries(layer, q, rows)
@@ -115,19 +115,20 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        if self._paged[0] is not forward_batch:
-            self._paged = (forward_batch, paged_indices(
+        fwd = session().forward_of(forward_batch)
+        if fwd.paged is None:
+            fwd.paged = paged_indices(
                 self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
                 forward_batch.seq_lens, [int(n) for n in q_lens],
-            ))
-        kv_indices, qo_indptr, kv_indptr = self._paged[1]
+            )
+        kv_indices, qo_indptr, kv_indptr = fwd.paged
         o = flash_lora_attention_paged(
             q_,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             kv_indices, qo_indptr, kv_indptr,
             self.lr.buffers[layer.layer_id], self.lr.B_v[layer.layer_id],
-            self.lr.agent.to(q.device), layer.scaling, True,
+            fwd.lr_columns.to(q.device), layer.scaling, True,
         )
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 

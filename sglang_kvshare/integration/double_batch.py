@@ -37,9 +37,8 @@ from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_kvshare.integration.plugin import session
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY
+from sglang_kvshare.integration.state import META_KEY, wire_spec_of
 from sglang_kvshare.methods import get_method
-from sglang_kvshare.segments import WireSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +49,14 @@ TARGETS = {
 }
 
 TWIN_SUFFIX = "::kvshare-db"
-_TWIN_OF = "_kvshare_twin_of"  # on a twin: its adapted request
-_TWIN = "_kvshare_twin"  # on an adapted request: its twin
-_HELD = "_kvshare_held"  # on an adapted request: finished, output held for its twin
 
 
 def is_db_request(recv_req) -> bool:
     """An adapted request under ``rebase_shared_db``."""
     if recv_req.lora_id is None:
         return False
-    params = getattr(recv_req.sampling_params, "custom_params", None)
-    if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
-        return False
-    return get_method(WireSpec.loads(params[CUSTOM_PARAM_KEY]).method).lr_sharing == "rebase_db"
+    spec = wire_spec_of(recv_req)
+    return spec is not None and get_method(spec.method).lr_sharing == "rebase_db"
 
 
 def _queued(scheduler, rid: str):
@@ -89,8 +83,7 @@ def _handle_generate_request(original, scheduler, recv_req, *args, **kwargs):
     if twin is None:
         logger.warning("rebase_shared_db: the adapter-free twin of %s was not queued", recv_req.rid)
         return result
-    setattr(twin, _TWIN_OF, primary)
-    setattr(primary, _TWIN, twin)
+    session().twins.pair(primary, twin)
     return result
 
 
@@ -105,7 +98,7 @@ def force_twin_tokens(reqs, next_token_ids, decoding: bool) -> None:
     rows = {id(r): i for i, r in enumerate(reqs)}
     ctx = session()
     for i, twin in enumerate(reqs):
-        primary = getattr(twin, _TWIN_OF, None)
+        primary = ctx.twins.primary_of(twin)
         if primary is None or not _emits_token(twin):
             continue
         st = ctx.requests.get(twin.rid)
@@ -128,7 +121,8 @@ def force_twin_tokens(reqs, next_token_ids, decoding: bool) -> None:
 def _forward_batch_generation(original, worker, batch=None, *args, **kwargs):
     result = original(worker, batch, *args, **kwargs)
     reqs = getattr(batch, "reqs", None)
-    if not reqs or not any(hasattr(r, _TWIN_OF) for r in reqs):
+    twins = session().twins
+    if not reqs or not any(twins.primary_of(r) is not None for r in reqs):
         return result
     decoding = batch.forward_mode.is_decode()
     if getattr(result, "delay_sample_func", None) is not None:
@@ -146,19 +140,20 @@ def _forward_batch_generation(original, worker, batch=None, *args, **kwargs):
 
 
 def _stream_output(original, streamer, reqs, *args, **kwargs):
-    if not any(hasattr(r, _TWIN_OF) or hasattr(r, _TWIN) for r in reqs):
+    twins = session().twins
+    if not any(twins.paired(r) for r in reqs):
         return original(streamer, reqs, *args, **kwargs)
     out = []
     for r in reqs:
-        primary = getattr(r, _TWIN_OF, None)
+        primary = twins.primary_of(r)
         if primary is not None:
-            if r.finished() and getattr(primary, _HELD, False):
-                setattr(primary, _HELD, False)
+            if r.finished() and twins.held(primary):
+                twins.hold(primary, False)
                 out.append(primary)  # the DB call is complete: both paths finished
             continue
-        twin = getattr(r, _TWIN, None)
+        twin = twins.twin_of(r)
         if twin is not None and r.finished() and not twin.finished():
-            setattr(r, _HELD, True)
+            twins.hold(r)
             continue
         out.append(r)
     return original(streamer, out, *args, **kwargs)

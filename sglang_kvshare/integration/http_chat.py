@@ -9,7 +9,7 @@ import time
 from typing import Optional
 
 from sglang_kvshare.integration.http_annotate import special_prefix
-from sglang_kvshare.integration.http_stream import send_json, split_events
+from sglang_kvshare.integration.http_stream import ok_body_send, send_json, split_events
 from sglang_kvshare.segments import AnnotationError
 
 
@@ -106,7 +106,7 @@ class ChatChunks:
     def sse_send(self, send):
         """Turn /generate's server-sent events (through ``_streaming_send``) into
         ``chat.completion.chunk`` events; the last chunk carries ``kvshare`` (and ``usage``)."""
-        state = {"status": 200, "pending": b"", "text": "", "role": False, "meta": None}
+        state = {"pending": b"", "text": "", "role": False, "meta": None}
 
         def event(obj: dict) -> bytes:
             return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -143,15 +143,11 @@ class ChatChunks:
             choice = {"index": 0, "delta": choice_delta, "finish_reason": finish}
             return event({**self.head("chat.completion.chunk", meta), "choices": [choice]})
 
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-            elif message["type"] == "http.response.body" and state["status"] == 200:
-                events, _ = split_events(state, message)
-                message = dict(message, body=b"".join(convert(e) for e in events))
-            await send(message)
+        def rewrite(message):
+            events, _ = split_events(state, message)
+            return dict(message, body=b"".join(convert(e) for e in events))
 
-        return wrapped
+        return ok_body_send(send, rewrite)
 
 
 def chat_segments(tok, messages: list, shared: dict) -> list[dict]:

@@ -13,24 +13,20 @@ class ResponseMixin:
 
     def _recording_send(self, send, ann: KVShareAnnotation):
         chunks: list[bytes] = []
-        state = {"status": 200}
         tok = self.get_tm().tokenizer
 
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-            elif message["type"] == "http.response.body" and state["status"] == 200:
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    self._remember(ann, b"".join(chunks), tok)
-            await send(message)
+        def record(message):
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                self._remember(ann, b"".join(chunks), tok)
+            return message
 
-        return wrapped
+        return ok_body_send(send, record)
 
     def _streaming_send(self, send, ann: KVShareAnnotation):
         """Pass server-sent events through with ``meta_info.kvshare`` as one object, and
         remember the agent's output tokens from the last event."""
-        state = {"status": 200, "pending": b"", "last": None}
+        state = {"pending": b"", "last": None}
         tok = self.get_tm().tokenizer
 
         def fix(event: bytes) -> bytes:
@@ -46,21 +42,37 @@ class ResponseMixin:
             state["last"] = obj
             return b"data: " + json.dumps(obj).encode()
 
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-                message = dict(message, headers=[(k, v) for k, v in message.get("headers", [])
-                                                 if k.lower() != b"content-length"])
-            elif message["type"] == "http.response.body" and state["status"] == 200:
-                events, more = split_events(state, message)
-                body = b"".join(fix(e) + b"\n\n" for e in events)
-                if not more:
-                    if state["last"] is not None:
-                        self._remember(ann, state["last"], tok)
-                message = dict(message, body=body)
-            await send(message)
+        def drop_length(message):
+            return dict(message, headers=[(k, v) for k, v in message.get("headers", [])
+                                          if k.lower() != b"content-length"])
 
-        return wrapped
+        def rewrite(message):
+            events, more = split_events(state, message)
+            body = b"".join(fix(e) + b"\n\n" for e in events)
+            if not more:
+                if state["last"] is not None:
+                    self._remember(ann, state["last"], tok)
+            return dict(message, body=body)
+
+        return ok_body_send(send, rewrite, on_start=drop_length)
+
+
+def ok_body_send(send, on_body, on_start=None):
+    """An ASGI ``send`` that hands each body message of a 200 response to ``on_body`` (it
+    returns the message to send on) and passes every other message through (the start message
+    through ``on_start`` when given)."""
+    status = [200]
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            status[0] = message["status"]
+            if on_start is not None:
+                message = on_start(message)
+        elif message["type"] == "http.response.body" and status[0] == 200:
+            message = on_body(message)
+        await send(message)
+
+    return wrapped
 
 
 def split_events(state: dict, message: dict) -> tuple[list[bytes], bool]:

@@ -58,9 +58,8 @@ class LRCache:
                 if m:
                     self.layer_of[id(mod)] = int(m.group(1))
         self.buffers: dict[int, torch.Tensor] = {}  # layer -> [kv rows, n_slots, max_r]
-        self.B_v: dict[int, torch.Tensor] = {}  # layer -> [n_slots, max_r, kv_dim], last forward
-        self.agent: Optional[torch.Tensor] = None  # [bs] LR column of each request; -1 base
-        self.out_cache_loc: Optional[torch.Tensor] = None
+        # layer -> [n_slots, max_r, kv_dim]: the resident adapters' value B, as last applied
+        self.B_v: dict[int, torch.Tensor] = {}
         self.check_adapters()
 
     def check_adapters(self) -> None:
@@ -79,11 +78,11 @@ class LRCache:
                     f"(use q/v/o adapters with --kvshare-lr-cache)"
                 )
 
-    def begin_forward(self, forward_batch) -> None:
+    def columns(self, forward_batch) -> torch.Tensor:
+        """[bs] int64: the LR column of each request of the batch (-1: the base model)."""
         ids = forward_batch.lora_ids or [None] * forward_batch.batch_size
         slots = self.manager.memory_pool.uid_to_buffer_id
-        self.agent = torch.tensor([slots[u] if u is not None else -1 for u in ids], dtype=torch.int64)
-        self.out_cache_loc = forward_batch.out_cache_loc
+        return torch.tensor([slots[u] if u is not None else -1 for u in ids], dtype=torch.int64)
 
     def column_of(self, lora_id: Optional[str]) -> int:
         return -1 if lora_id is None else self.manager.memory_pool.uid_to_buffer_id[lora_id]
@@ -109,8 +108,9 @@ class LRCache:
         return {"kv_bytes_per_token": kv, "lr_bytes_per_token_per_agent": lr}
 
     @torch.no_grad()
-    def apply_qkv(self, mod, base_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q/k LoRA deltas as stock, no v delta; LR values of all resident adapters written."""
+    def apply_qkv(self, mod, base_output: torch.Tensor, x: torch.Tensor, loc: Optional[torch.Tensor]) -> torch.Tensor:
+        """q/k LoRA deltas as stock, no v delta; LR values of all resident adapters written at
+        KV slots ``loc`` (the forward's ``out_cache_loc``)."""
         layer = self.layer_of[id(mod)]
         A, B = mod.A_buffer_qkv, mod.B_buffer_qkv  # [slots, 3 max_r, hidden], [slots, q+2kv, max_r]
         off = mod.output_offset_cpu.tolist()  # [0, q, q+kv, q+2kv]
@@ -122,7 +122,6 @@ class LRCache:
             max_qkv_out_dim=mod.max_qkv_out_dim,
         )
         max_r = A.shape[1] // 3
-        loc = self.out_cache_loc
         if loc is None or loc.numel() != x.shape[0]:
             raise RuntimeError(f"LR cache: {x.shape[0]} tokens but {None if loc is None else loc.numel()} KV slots")
         lr = torch.zeros(x.shape[0], self.n_slots, max_r, dtype=x.dtype, device=x.device)
@@ -163,10 +162,12 @@ def paged_indices(req_to_token, req_pool_indices, seq_lens, q_lens: list[int]):
 
 
 def _qkv_apply_lora(original, mod, base_output, x):
-    lr = session().lr
+    ses = session()
+    lr = ses.lr
     if lr is None or id(mod) not in lr.layer_of:
         return original(mod, base_output, x)
-    return lr.apply_qkv(mod, base_output, x)
+    fwd = ses.forward  # begun by the kvshare_torch backend, which owns the LR cache
+    return lr.apply_qkv(mod, base_output, x, None if fwd is None else fwd.batch.out_cache_loc)
 
 
 def _fetch_new_loras(original, manager, new_loras, running_loras=set()):

@@ -55,9 +55,6 @@ TARGETS = {
     "queue": "sglang.srt.managers.scheduler.Scheduler._add_request_to_queue",
 }
 
-_CUT_FLAG = "_kvshare_cut"
-
-
 def _max_prefix_len(original, req, input_len):
     limit = original(req, input_len)
     st = session().lookup(req)
@@ -85,7 +82,7 @@ def _select_admission(original, adder, req, **kwargs):
         return admission
     if kwargs.get("has_chunked_req"):
         return AddReqResult.OTHER  # one chunked request at a time: wait for the next pass
-    setattr(adder, _CUT_FLAG, True)
+    session().cut_adder = adder
     return _PrefillAdmission(
         admission.prefix_len, cut - admission.prefix_len, 0, True, admission.replay_len
     )
@@ -93,8 +90,9 @@ def _select_admission(original, adder, req, **kwargs):
 
 def _add_one_req(original, adder, req, *args, **kwargs):
     result = original(adder, req, *args, **kwargs)
-    if getattr(adder, _CUT_FLAG, False):
-        setattr(adder, _CUT_FLAG, False)
+    ctx = session()
+    if ctx.cut_adder is adder:
+        ctx.cut_adder = None
         return AddReqResult.OTHER
     return result
 

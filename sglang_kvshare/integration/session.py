@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -11,9 +12,8 @@ from cachetools import FIFOCache
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration.hidden_store import HiddenStore
-from sglang_kvshare.integration.state import CUSTOM_PARAM_KEY, META_KEY, ReqShareState
+from sglang_kvshare.integration.state import META_KEY, ReqShareState, wire_spec_of
 from sglang_kvshare.methods import get_method
-from sglang_kvshare.segments import WireSpec
 from sglang_kvshare.segments.sources import SourceRegistry, common_prefix
 
 logger = logging.getLogger(__name__)
@@ -23,25 +23,71 @@ _UNSET = object()
 
 @dataclass
 class ForwardState:
-    """What the hooks of one model forward share: the decoder-layer hook builds the recompute
-    plan at the first layer (``plan``: a ``BatchPlan`` or None), and while a layer runs on a row
-    subset ``running`` = (plan, active rows or None, rows split by request or None) tells the
-    ``kvshare_torch`` backend which queries it attends."""
+    """What the hooks of one model forward share (``Session.begin_forward``, a new one per
+    forward batch):
+
+    - ``plan``: the recompute plan the decoder-layer hook builds at the first layer (a
+      ``BatchPlan`` or None; unset until then);
+    - ``running``: while a layer runs on a row subset, (plan, active rows or None, rows split by
+      request or None): which queries the ``kvshare_torch`` backend attends;
+    - ``lr_columns``: with the LR cache, the LR column of each request of the batch (-1: the base
+      model), which the LoRA hook writes and the attention reads with;
+    - ``paged``: the batch's paged KV indices (``lr_cache.paged_indices``), built by the first
+      LR attention layer and shared by all the others."""
 
     batch: Any  # the ForwardBatch
     plan: Any = _UNSET
     running: Optional[tuple] = None
+    lr_columns: Any = None  # [bs] int64 tensor
+    paged: Optional[tuple] = None  # (kv_indices, qo_indptr, kv_indptr)
 
     @property
     def planned(self) -> bool:
         return self.plan is not _UNSET
 
 
+class TwinPairs:
+    """ReBaseShared DB (``double_batch``): each adapted request's adapter-free twin, and the
+    adapted requests whose finished output is held until their twin finishes. Kept only as
+    long as the requests live: a twin holds its adapted request, not the other way round."""
+
+    def __init__(self):
+        self._primary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # twin -> adapted req
+        self._twin: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapted req -> ref(twin)
+        self._held: weakref.WeakSet = weakref.WeakSet()
+
+    def pair(self, primary, twin) -> None:
+        self._primary[twin] = primary
+        self._twin[primary] = weakref.ref(twin)
+
+    def primary_of(self, twin):
+        """The adapted request of a twin (None: ``twin`` is no twin)."""
+        return self._primary.get(twin)
+
+    def twin_of(self, primary):
+        """The twin of an adapted request (None: none, or gone)."""
+        ref = self._twin.get(primary)
+        return None if ref is None else ref()
+
+    def paired(self, req) -> bool:
+        return req in self._primary or req in self._twin
+
+    def hold(self, primary, held: bool = True) -> None:
+        if held:
+            self._held.add(primary)
+        else:
+            self._held.discard(primary)
+
+    def held(self, primary) -> bool:
+        return primary in self._held
+
+
 class Session:
     """Everything the plugin keeps in one scheduler process: the configuration, the source
     registry and the per-request states, the correctors and their gate controllers, the LR
     cache, the stored hidden states and DroidSpeak profiles, and the state of the forward now
-    running. Created once per process (``plugin.session()``)."""
+    running (``ForwardState``), the scheduling pass's cut and ReBaseShared DB's twins. Created
+    once per process (``plugin.session()``)."""
 
     def __init__(self, args: KVShareArgs):
         self.args = args
@@ -49,7 +95,9 @@ class Session:
         self.hidden = HiddenStore()  # selective recomputation's stored hidden states
         self.profiles: dict[tuple[str, int], Any] = {}  # DroidSpeak profiles by (path, layers)
         self.runner = None  # the model runner whose attention backend is kvshare_torch
-        self.forward: Optional[ForwardState] = None
+        self.forward: Optional[ForwardState] = None  # the forward now running
+        self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
+        self.twins = TwinPairs()  # ReBaseShared DB
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}
@@ -171,12 +219,11 @@ class Session:
         st = self.requests.get(req.rid)
         if st is not None:
             return st
-        params = getattr(req.sampling_params, "custom_params", None)
-        if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
+        spec = wire_spec_of(req)
+        if spec is None:
             return None
         from sglang_kvshare.integration.sharing import family_of
 
-        spec = WireSpec.loads(params[CUSTOM_PARAM_KEY])
         st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
         self.requests[req.rid] = st
         family_of(st.method).admit(self, req, st)
@@ -186,11 +233,21 @@ class Session:
     def forget(self, req) -> Optional[ReqShareState]:
         return self.requests.pop(req.rid, None)
 
+    def begin_forward(self, forward_batch) -> ForwardState:
+        """A new forward of ``forward_batch`` starts (the attention backend's metadata step)."""
+        self.forward = ForwardState(forward_batch)
+        return self.forward
+
     def forward_of(self, forward_batch) -> ForwardState:
         """The state of the forward running ``forward_batch`` (a new one per batch)."""
         if self.forward is None or self.forward.batch is not forward_batch:
-            self.forward = ForwardState(forward_batch)
+            return self.begin_forward(forward_batch)
         return self.forward
+
+    def running_forward(self, forward_batch) -> Optional[ForwardState]:
+        """The state of the forward running ``forward_batch`` if one was begun, else None."""
+        fwd = self.forward
+        return fwd if fwd is not None and fwd.batch is forward_batch else None
 
     def profile(self, path: str, num_layers: int):
         """The server's DroidSpeak profile; without ``--kvshare-droidspeak-profile`` every layer

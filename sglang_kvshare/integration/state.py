@@ -17,6 +17,15 @@ CUSTOM_PARAM_KEY = "kvshare"
 META_KEY = "kvshare"
 
 
+def wire_spec_of(req) -> Optional[WireSpec]:
+    """The segment annotation a scheduler request (``Req`` or ``GenerateReqInput``) carries in
+    its sampling parameters' ``custom_params``; None if unannotated."""
+    params = getattr(req.sampling_params, "custom_params", None)
+    if not isinstance(params, dict) or CUSTOM_PARAM_KEY not in params:
+        return None
+    return WireSpec.loads(params[CUSTOM_PARAM_KEY])
+
+
 @dataclass
 class ReqShareState:
     """What the plugin knows and did for one annotated request."""

@@ -1,4 +1,5 @@
-"""Flash-LoRA-Attention over a paged KV pool: Triton kernel, launcher, torch reference, dispatcher.
+"""Flash-LoRA-Attention over a paged KV pool: Triton kernel, launcher and dispatcher (the torch
+reference and the torch serving path are beside it, in ``flash_lora_torch``).
 
 A batch of requests; request ``b`` has ``q_len_b`` new queries (extend; 1 for decode) and
 ``kv_len_b`` tokens in the KV pool (cached prefix + new tokens, new last). Query ``i`` sits at
@@ -27,11 +28,15 @@ Layouts (last dim contiguous):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from sglang_kvshare.lora_cache.attention import expand_key_lr, flash_lora_attention
+from sglang_kvshare.kernels.flash_lora_torch import (  # noqa: F401 - public here too
+    KeyLR,
+    flash_lora_attention_reference,
+    flash_lora_attention_sdpa,
+)
 from sglang_kvshare.rope.align import RopeSpec
 
 try:
@@ -41,15 +46,6 @@ try:
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - triton ships with torch on CUDA machines
     HAS_TRITON = False
-
-
-class KeyLR(NamedTuple):
-    """Key LR inputs (QKVO adapters): lr_k_buf [S, n_agents, r_max], B_k [n_agents, r_max,
-    Hkv*D], rope (neox, rotary_dim == head_dim for the kernel)."""
-
-    lr_k_buf: torch.Tensor
-    B_k: torch.Tensor
-    rope: RopeSpec
 
 
 if HAS_TRITON:
@@ -254,100 +250,6 @@ def flash_lora_attention_triton(
         CAUSAL=causal, HAS_LR=has_lr, HAS_KEY_LR=key_lr is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    return out
-
-
-def flash_lora_attention_reference(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    lr_buf: Optional[torch.Tensor] = None,
-    B_v: Optional[torch.Tensor] = None,
-    agent: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    causal: bool = True,
-    key_lr: Optional[KeyLR] = None,
-    **_unused,
-) -> torch.Tensor:
-    """Torch reference of ``flash_lora_attention_triton`` (same contract): gathers each request's
-    slots and calls ``sglang_kvshare.lora_cache.flash_lora_attention(_qkvo)``."""
-    out = torch.empty_like(q)
-    num_req = qo_indptr.numel() - 1
-    for b in range(num_req):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        k0, k1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
-        if q1 == q0:
-            continue
-        slots = kv_indices[k0:k1].long()
-        j = -1 if agent is None else int(agent[b])
-        if lr_buf is not None and agent is None:
-            j = 0
-        lr = lr_buf[slots, j] if (lr_buf is not None and j >= 0) else None
-        bv = B_v[j] if lr is not None else None
-        k = k_buf[slots]
-        if key_lr is not None and j >= 0:
-            pos = torch.arange(k.shape[0], device=k.device)
-            k = k.float() + expand_key_lr(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], k.shape[1],
-                                          pos, key_lr.rope).float()
-        out[q0:q1] = flash_lora_attention(q[q0:q1], k, v_buf[slots], lr, bv, scale, causal)
-    return out
-
-
-def flash_lora_attention_sdpa(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    kv_indices: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    lr_buf: Optional[torch.Tensor] = None,
-    B_v: Optional[torch.Tensor] = None,
-    agent: Optional[torch.Tensor] = None,
-    scale: Optional[float] = None,
-    causal: bool = True,
-    **_unused,
-) -> torch.Tensor:
-    """Torch serving path (value LR only; same contract as the kernel): per request one
-    ``scaled_dot_product_attention`` call whose values carry the agent's LR column as r extra
-    channels, so it yields ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is then added per
-    query head (GQA: KV head g's columns of B). Runs in q.dtype."""
-    from torch.nn.functional import scaled_dot_product_attention
-
-    out = torch.empty_like(q)
-    Hq, D = q.shape[1], q.shape[2]
-    Hkv = k_buf.shape[1]
-    G = Hq // Hkv
-    for b in range(qo_indptr.numel() - 1):
-        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
-        k0, k1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
-        q_len, kv_len = q1 - q0, k1 - k0
-        if q_len == 0:
-            continue
-        slots = kv_indices[k0:k1].long()
-        qi = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
-        k = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
-        v = v_buf[slots].transpose(0, 1).to(q.dtype)
-        j = -1 if lr_buf is None else (0 if agent is None else int(agent[b]))
-        if j >= 0:
-            lr = lr_buf[slots, j].to(q.dtype)  # [kv, r]
-            v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
-        mask = None
-        if causal and q_len > 1:  # a single query is the last position: it sees every key
-            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
-        o = scaled_dot_product_attention(
-            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
-            enable_gqa=G > 1,
-        ).squeeze(0)  # [Hq, q, D (+ r)]
-        res = o[..., :D]
-        if j >= 0:
-            r = lr_buf.shape[2]
-            Bh = B_v[j].to(q.dtype).view(r, Hkv, D).permute(1, 0, 2).repeat_interleave(G, 0)
-            res = res + torch.bmm(o[..., D:], Bh)  # [Hq, q, r] @ [Hq, r, D]
-        out[q0:q1] = res.transpose(0, 1)
     return out
 
 
