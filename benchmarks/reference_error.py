@@ -1,0 +1,89 @@
+"""Why the non-chained correction baselines lose to uncorrected reuse on SmolLM2 (KVCMAS sec. 3.2,
+fig. 3): the relative KV error of agent 1's question slot, over MMLU tasks, when it is taken
+(a) from agent 0's cache (fullshared), (b) corrected from it (chained KVCMAS), (c) from the
+context-free reference as the engine prefills it today (the question alone) and under other
+neutral prefixes, uncorrected and corrected by the non-chained KVCMAS corrector. Anchors of each
+task are the other tasks' observations (up to 10), every gate open (tau 1). HF transformers on
+the default model, float32, no server.
+
+    python -m benchmarks.reference_error [N_TASKS]
+"""
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from sglang_kvshare.assets import ensure_default_model
+from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
+from sglang_kvshare.correction import SegmentKV
+from sglang_kvshare.correction.kvcmas import KVCMASCorrector, KVCMASNonChainedCorrector
+from sglang_kvshare.workflows import get_roles
+from benchmarks.datasets import load_tasks
+
+
+def main():
+    torch.set_num_threads(2)
+    path = ensure_default_model()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    cfg = model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    import json; _c = json.load(open(f"{path}/config.json")); rope = RopeSpec(inv_freq_for(hd, _c["rope_parameters"]["rope_theta"], None), hd, True)
+    roles = get_roles("mmlu").roles
+    N = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    tasks = load_tasks("mmlu", N, seed=5)
+    enc = lambda t: tok.encode(t, add_special_tokens=False)
+
+    @torch.no_grad()
+    def seg_kv(prefix_ids, seg_ids):
+        ids = torch.tensor([prefix_ids + seg_ids])
+        pkv = model(ids, use_cache=True).past_key_values
+        ks, vs = [], []
+        for l in range(cfg.num_hidden_layers):
+            k = pkv.layers[l].keys[0] if hasattr(pkv, "layers") else pkv.key_cache[l][0]
+            v = pkv.layers[l].values[0] if hasattr(pkv, "layers") else pkv.value_cache[l][0]
+            k = k[:, len(prefix_ids):].transpose(0, 1)  # [T, H, hd]
+            v = v[:, len(prefix_ids):].transpose(0, 1)
+            k = shift_keys(k, -len(prefix_ids), rope)
+            ks.append(k.reshape(k.shape[0], -1)); vs.append(v.reshape(v.shape[0], -1))
+        return SegmentKV(torch.stack(ks), torch.stack(vs))
+
+    def err(a, b):
+        num = (a.k - b.k).square().sum() + (a.v - b.v).square().sum()
+        return float((num / (b.k.square().sum() + b.v.square().sum())).sqrt())
+
+    sys_ids = lambda r: enc("<|im_start|>system\n" + r.system_prompt + "<|im_end|>\n<|im_start|>user\n")
+    PREFIXES = {"none (today)": [], "<|im_start|>": enc("<|im_start|>"), "<|im_start|>user\\n": enc("<|im_start|>user\n"),
+                "<|im_start|>system\\n<|im_end|>\\n<|im_start|>user\\n": enc("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n")}
+    data = []
+    for t in tasks:
+        q = enc(t.question)
+        c0, c1 = seg_kv(sys_ids(roles[0]), q), seg_kv(sys_ids(roles[1]), q)
+        refs = {n: seg_kv(p, q) for n, p in PREFIXES.items()}
+        data.append((c0, c1, refs))
+        print(t.id, len(q), flush=True)
+    rows = {"fullshared (agent 0's cache)": [], "kvcmas chained": []}
+    for n in PREFIXES:
+        rows[f"ref {n}, uncorrected"] = []; rows[f"ref {n}, corrected (nonchained)"] = []
+    for i, (c0, c1, refs) in enumerate(data):
+        others = [d for j, d in enumerate(data) if j != i][:10]
+        rows["fullshared (agent 0's cache)"].append(err(c0, c1))
+        ch = KVCMASCorrector()
+        for o0, o1, _ in others:
+            ch.observe("q", "a0", "a1", o0, o1)
+        r = ch.correct("q", "a0", "a1", c0, tau=1.0)
+        rows["kvcmas chained"].append(err(r.kv, c1) if r.accepted else float("nan"))
+        for n in PREFIXES:
+            rows[f"ref {n}, uncorrected"].append(err(refs[n], c1))
+            nc = KVCMASNonChainedCorrector()
+            for o0, o1, orefs in others:
+                nc.observe("q", "a0", "a1", o0, o1, orefs[n])
+            r = nc.correct("q", "a0", "a1", c0, refs[n], tau=1.0)
+            rows[f"ref {n}, corrected (nonchained)"].append(err(r.kv, c1) if r.accepted else float("nan"))
+    print("\n| cache for agent 1's question slot | rel. KV error mean | max |\n|---|---:|---:|")
+    for k, v in rows.items():
+        t = torch.tensor(v)
+        print(f"| {k} | {float(t.nanmean()):.4f} | {float(t[~t.isnan()].max()):.4f} |")
+
+
+if __name__ == "__main__":
+    main()
