@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from sglang_kvshare.launch_server import flag_value, has_flag
+from sglang_kvshare.launch_server import flag_value, has_flag, without_flag
 from sglang_kvshare.routing import ROUTING_KEY_HEADER
 
 PROG = "python -m sglang_kvshare.launch_router"
@@ -122,10 +122,7 @@ def worker_argv(rest: Sequence[str], host: str, port: int, index: int, workers: 
     pool = flag_value(argv, "--kvshare-anchor-pool")
     if pool:
         own = worker_anchor_pool(pool, index, workers)
-        argv = [a for i, a in enumerate(argv)
-                if not (a == "--kvshare-anchor-pool" or a.startswith("--kvshare-anchor-pool=")
-                        or (i > 0 and argv[i - 1] == "--kvshare-anchor-pool"))]
-        argv += ["--kvshare-anchor-pool", own]
+        argv = without_flag(argv, "--kvshare-anchor-pool") + ["--kvshare-anchor-pool", own]
     return [sys.executable, "-m", "sglang_kvshare.launch_server", *argv, "--host", host, "--port", str(port)]
 
 

@@ -74,6 +74,20 @@ def has_flag(argv: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def without_flag(argv: Sequence[str], flag: str) -> list[str]:
+    """``argv`` without any ``flag VALUE`` or ``flag=VALUE``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
     """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``argv`` (None if absent)."""
     value = None

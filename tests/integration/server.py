@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,13 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import requests
 
+from sglang_kvshare.launch_router import free_port
+
 STOCK_CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
     "--skip-server-warmup", "--dtype", "float32", "--max-total-tokens", "16384",
     "--disable-overlap-schedule", "--sleep-on-idle",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
