@@ -90,9 +90,14 @@ from sglang_kvshare.workflows import (
 DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
 # --agent-kind lora: the PReCache methods on an LR-cache server (rebase_shared_lp holds its answer
 # for the post-turn rebuild and is not streamed; DB is ReBaseShared's serving schedule)
-LORA_METHODS = ("nonshared", "baseshared", "prelr_shared", "rebase_shared_db")
+LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_db", "rebase_shared_lp")
 LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
                     "--kvshare-lr-cache", "--lora-paths", *(f"{n}={p}" for n, p in ADAPTERS.items()))
+# PReCache's FullShared baseline: a later LoRA agent reuses the previous agent's adapted K/V as they
+# are, which needs K/V with the value deltas in them: a plain LoRA server (no LR cache), started
+# after the LR-cache server's methods have run
+PLAIN_LORA_METHODS = ("fullshared",)
+PLAIN_LORA_SERVER_ARGS = tuple(a for a in LORA_SERVER_ARGS if a != "--kvshare-lr-cache")
 BASELINE = "nonshared"
 FINAL = "final"
 SPECIALTIES = (
@@ -216,6 +221,19 @@ def kvshare_of(meta: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(kv, list):  # streamed chunks carry it as a one-element list
         kv = kv[0] if kv else {}
     return kv
+
+
+def held_generate(session: requests.Session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    """POST an unstreamed /generate (for methods that hold the answer, rebase_shared_lp): the answer
+    arrives whole, so ttft_s = e2e_s."""
+    t0 = time.perf_counter()
+    r = session.post(url + "/generate", json=dict(payload, stream=False), timeout=timeout,
+                     headers=routing_headers(payload))
+    e2e = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:1000]}")
+    out = r.json()
+    return {"ttft_s": e2e, "e2e_s": e2e, "text": out.get("text", ""), "meta": out.get("meta_info", {})}
 
 
 def stream_generate(session: requests.Session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
@@ -367,6 +385,9 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
     outputs: List[str] = []
     records: List[Dict[str, Any]] = []
     session = requests.Session()
+    from sglang_kvshare.methods import get_method
+
+    generate = held_generate if get_method(spec.method).lr_sharing == "rebase_lp" else stream_generate
     for i, turn in enumerate(schedule):
         role = roles[turn.agent]
         reads = [(schedule[j].agent, roles[schedule[j].agent].title, outputs[j]) for j in turn.reads]
@@ -375,7 +396,7 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
         payload["sampling_params"]["ignore_eos"] = True
         rec: Dict[str, Any] = {"turn": i, "agent": turn.agent}
         try:
-            res = stream_generate(session, url, payload, timeout)
+            res = generate(session, url, payload, timeout)
         except (RequestFailed, requests.RequestException) as e:
             rec["error"] = f"{type(e).__name__}: {e}"
             records.append(rec)
@@ -670,10 +691,16 @@ def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[flo
                             "ttft_later_p50_s": get_path(res, "ttft_later_s.p50"), "rho_later": res["rho_later"],
                             "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
                             "errors": res["errors"]}
+    return capacity_ratios(out)
+
+
+def capacity_ratios(cap: Dict[str, Dict[str, Dict[str, Optional[float]]]]):
+    """Sets each capacity row's ``vs_nonshared`` (its wf/s over nonshared's at that context)."""
+    for rows in cap.values():
         base = (rows.get(BASELINE) or {}).get("wf_per_s")
         for row in rows.values():
             row["vs_nonshared"] = (row["wf_per_s"] / base) if base and row["wf_per_s"] else None
-    return out
+    return cap
 
 
 def scaling_sweeps(runner: Runner, args) -> Dict[str, List[Dict[str, Any]]]:
@@ -948,10 +975,13 @@ def parse_args(argv=None):
     ap.add_argument("--model-path", default=None, help="when starting a server (default: launch_server's SmolLM2)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra launch_server flag (repeatable)")
     ap.add_argument("--server-pid", type=int, default=None, help="server PID for RSS (default: found from --url's port)")
+    ap.add_argument("--plain-lora-url", default=None,
+                    help="--agent-kind lora with --url: a running plain LoRA server (no --kvshare-lr-cache) for "
+                         f"{', '.join(PLAIN_LORA_METHODS)}")
     ap.add_argument("--agent-kind", choices=("prompt", "lora"), default="prompt",
                     help="prompt: agents differ by system prompt; lora: by LoRA adapter (the shipped "
                          "solver/critic/final adapters, 3 agents; a server started here gets --enable-lora "
-                         "--kvshare-lr-cache and the adapters)")
+                         "--kvshare-lr-cache and the adapters; fullshared runs on a second, plain LoRA server)")
     ap.add_argument("--methods", default=None,
                     help=f"default {','.join(DEFAULT_METHODS)}; with --agent-kind lora {','.join(LORA_METHODS)}")
     ap.add_argument("--contexts", type=_ints, default=[512, 1024, 2048], help="shared context lengths, tokens")
@@ -992,8 +1022,9 @@ def parse_args(argv=None):
     args.methods = [m for m in args.methods.split(",") if m]
     if lora:  # three adapter agents; the agent-count sweep does not apply
         args.base_agents, args.agents = 3, []
-        if args.url is None:
-            args.server_arg = list(LORA_SERVER_ARGS) + args.server_arg
+        if args.url is not None and args.plain_lora_url is None and any(m in PLAIN_LORA_METHODS for m in args.methods):
+            ap.error(f"--agent-kind lora with --url: {', '.join(PLAIN_LORA_METHODS)} runs on a plain LoRA server "
+                     "(no --kvshare-lr-cache); give its URL with --plain-lora-url")
     args.rates = sorted(args.rates)
     if args.capacity < 0:
         ap.error("--capacity must be >= 0")
@@ -1001,6 +1032,64 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+def server_groups(args) -> List[tuple]:
+    """(name, methods, url or None, launch_server flags) per server of the run, in order: one
+    server; for LoRA agents the LR-cache server, then a plain LoRA server for PLAIN_LORA_METHODS."""
+    if args.agent_kind != "lora":
+        return [("main", args.methods, args.url, list(args.server_arg))]
+    plain = [m for m in args.methods if m in PLAIN_LORA_METHODS]
+    groups = [("lr-cache", [m for m in args.methods if m not in plain], args.url, list(LORA_SERVER_ARGS)),
+              ("plain-lora", plain, args.plain_lora_url, list(PLAIN_LORA_SERVER_ARGS))]
+    return [(n, ms, url, flags + args.server_arg) for n, ms, url, flags in groups if ms]
+
+
+def merge_parts(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One result from the runs on several servers: points of the same (context, rate, agents,
+    rounds) joined, ratios to nonshared recomputed over all methods."""
+    def join(lists, key):
+        merged: Dict[tuple, Dict[str, Any]] = {}
+        for pts in lists:
+            for p in pts:
+                k = key(p)
+                if k in merged:
+                    merged[k]["methods"].update(p["methods"])
+                else:
+                    merged[k] = dict(p, methods=dict(p["methods"]))
+        for p in merged.values():
+            p["ratios"] = ratios(p["methods"])
+        return list(merged.values())
+
+    pkey = lambda p: (p["context"], p["rate"], p["agents"], p["rounds"])  # noqa: E731
+    points = sorted(join([x["points"] for x in parts], pkey), key=pkey)
+    cap: Dict[str, Dict[str, Any]] = {}
+    for x in parts:
+        for ctx, rows in x["capacity"].items():
+            cap.setdefault(ctx, {}).update(rows)
+    return {
+        "points": points, "skipped": [s for x in parts for s in x["skipped"]],
+        "capacity": capacity_ratios(cap), "timeline": [r for x in parts for r in x["timeline"]],
+        "scaling": {kind: join([x["scaling"][kind] for x in parts], pkey) for kind in ("agents", "rounds")},
+    }
+
+
+def run_methods(args, url: str, pid: Optional[int], tok, methods: List[str], bar, first: bool) -> Dict[str, Any]:
+    """Every phase of the run for ``methods`` on one server."""
+    margs = argparse.Namespace(**dict(vars(args), methods=methods))
+    runner = Runner(margs, url, tok, pid, bar)
+    if not args.no_warmup:  # one short single-stream workflow per method, not recorded
+        bar.set_description("warm-up")
+        for m in methods:
+            spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind == "lora" else 2, 1, 1, 2, 0,
+                             args.agent_kind)
+            run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
+    if first:
+        runner.pre_serve()
+    points, skipped = qps_sweep(runner, margs)
+    cap = capacity(runner, margs) if args.capacity else {}
+    return {"points": points, "skipped": skipped, "capacity": cap, "scaling": scaling_sweeps(runner, margs),
+            "timeline": runner.timeline}
 
 
 def main(argv=None) -> Dict[str, Any]:
@@ -1011,73 +1100,70 @@ def main(argv=None) -> Dict[str, Any]:
         print(markdown(results))
         return results
 
-    server, log_dir = None, None
-    url = args.url
-    if url is None:
-        from tests.integration.server import Server
+    from transformers import AutoTokenizer
 
-        log_dir = Path(tempfile.mkdtemp(prefix="serving-"))
-        argv_s = ["-m", "sglang_kvshare.launch_server"]
-        if args.model_path:
-            argv_s += ["--model-path", args.model_path]
-        server = Server(argv_s + list(args.server_arg), log_dir / "server.log", timeout=900)
-        url = server.url
-    url = url.rstrip("/")
-    try:
-        info = requests.get(url + "/get_model_info", timeout=30).json()
-        from transformers import AutoTokenizer
+    from sglang_kvshare.methods import get_method
 
-        tok = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
-        pid = server.proc.pid if server else (args.server_pid or find_server_pid(url))
-        per_point = lambda a, r, w: turns_of(a, r) * w * len(args.methods)  # noqa: E731
-        total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
-        total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
-        total += per_point(args.base_agents, args.base_rounds, args.workflows) * len(args.contexts) * bool(args.capacity)
-        total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
-        from sglang_kvshare.methods import get_method
+    per_point = lambda a, r, w: turns_of(a, r) * w * len(args.methods)  # noqa: E731
+    total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
+    total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
+    total += per_point(args.base_agents, args.base_rounds, args.workflows) * len(args.contexts) * bool(args.capacity)
+    total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
+    correcting = [m for m in args.methods if get_method(m).corrector is not None]
+    total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
+    total += args.pre_serve * turns_of(3, 1)
+    parts, servers, info = [], [], None
+    t0 = time.time()
+    with tqdm(total=total, unit="req") as bar:
+        for gi, (name, methods, url, flags) in enumerate(server_groups(args)):
+            server, log_dir = None, None
+            if url is None:
+                from tests.integration.server import Server
 
-        correcting = [m for m in args.methods if get_method(m).corrector is not None]
-        total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
-        total += args.pre_serve * turns_of(3, 1)
-        t0 = time.time()
-        with tqdm(total=total, unit="req") as bar:
-            runner = Runner(args, url, tok, pid, bar)
-            if not args.no_warmup:  # one short single-stream workflow per method, not recorded
-                bar.set_description("warm-up")
-                for m in args.methods:
-                    spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind == "lora" else 2, 1, 1, 2, 0,
-                                     args.agent_kind)
-                    run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
-            runner.pre_serve()
-            points, skipped = qps_sweep(runner, args)
-            cap = capacity(runner, args) if args.capacity else {}
-            scaling = scaling_sweeps(runner, args)
-        results = {
-            "benchmark": "serving",
-            "ttft": "client wall time from POST to the first SSE data chunk of a streamed /generate (127.0.0.1)",
-            "rho": "reused_tokens / tokens of shared segments, summed over requests (meta_info.kvshare)",
-            "memory": "peak RSS summed over the server process tree (psutil, 0.25 s); GPU: nvidia-smi memory.used",
-            "ratios": f"method / {BASELINE} at the same point of the same run",
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "server": {"url": url, "model_path": info.get("model_path"), "started_here": server is not None,
-                       "pid": pid, "log": str(log_dir / "server.log") if log_dir else None},
-            "host": {"machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version()},
-            "wall_s": time.time() - t0,
-            "qps_sweep": points,
-            "saturation": saturation(points),
-            "skipped": skipped,
-            "capacity": cap,
-            "timeline": runner.timeline,
-            "scaling": scaling,
-        }
-    finally:
-        if server is not None:
-            server.stop()
+                log_dir = Path(tempfile.mkdtemp(prefix="serving-"))
+                argv_s = ["-m", "sglang_kvshare.launch_server"]
+                if args.model_path:
+                    argv_s += ["--model-path", args.model_path]
+                bar.set_description(f"starting the {name} server")
+                server = Server(argv_s + flags, log_dir / "server.log", timeout=900)
+                url = server.url
+            url = url.rstrip("/")
+            try:
+                info = requests.get(url + "/get_model_info", timeout=30).json()
+                tok = AutoTokenizer.from_pretrained(info.get("tokenizer_path") or info["model_path"])
+                pid = server.proc.pid if server else ((args.server_pid if gi == 0 else None) or find_server_pid(url))
+                servers.append({"name": name, "methods": methods, "url": url, "flags": flags,
+                                "model_path": info.get("model_path"), "started_here": server is not None,
+                                "pid": pid, "log": str(log_dir / "server.log") if log_dir else None})
+                parts.append(run_methods(args, url, pid, tok, methods, bar, first=gi == 0))
+            finally:
+                if server is not None:
+                    server.stop()
+    merged = merge_parts(parts)
+    results = {
+        "benchmark": "serving",
+        "ttft": "client wall time from POST to the first SSE data chunk of a streamed /generate (127.0.0.1); "
+                "rebase_shared_lp holds its answer, so its requests are unstreamed and TTFT = e2e",
+        "rho": "reused_tokens / tokens of shared segments, summed over requests (meta_info.kvshare)",
+        "memory": "peak RSS summed over the server process tree (psutil, 0.25 s); GPU: nvidia-smi memory.used",
+        "ratios": f"method / {BASELINE} at the same point of the same run",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "servers": servers,
+        "host": {"machine": platform.machine(), "processor": platform.processor(), "python": platform.python_version()},
+        "wall_s": time.time() - t0,
+        "qps_sweep": merged["points"],
+        "saturation": saturation(merged["points"]),
+        "skipped": merged["skipped"],
+        "capacity": merged["capacity"],
+        "timeline": merged["timeline"],
+        "scaling": merged["scaling"],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     pngs = [] if args.no_plots else plot(results, args.out)
     print(markdown(results))
-    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs) + (f" (server log: {log_dir})" if log_dir else ""))
+    logs = [s["log"] for s in servers if s["log"]]
+    print(f"\nwrote {args.out}" + "".join(f", {p}" for p in pngs) + (f" (server logs: {', '.join(logs)})" if logs else ""))
     return results
 
 

@@ -22,7 +22,7 @@ def test_serving_quick(tiny_server, tmp_path):
     assert cfg["methods"] == ["nonshared", "fullshared", "kvcmas"]
     for suffix in ("_ttft_vs_qps.png", "_memory_vs_context.png", "_scaling.png"):
         assert (tmp_path / f"serving{suffix}").stat().st_size > 0
-    assert res["server"]["pid"] and not res["server"]["started_here"]
+    assert [(s["name"], bool(s["pid"]), s["started_here"]) for s in res["servers"]] == [("main", True, False)]
 
     points = res["qps_sweep"]
     assert [(p["context"], p["rate"]) for p in points] == [(c, r) for c in cfg["contexts"] for r in cfg["rates"]]

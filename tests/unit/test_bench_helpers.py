@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.observe_stall import split_gaps, summary
-from benchmarks.serving import steady_throughput
+from benchmarks.serving import (
+    LORA_SERVER_ARGS,
+    PLAIN_LORA_SERVER_ARGS,
+    merge_parts,
+    parse_args,
+    server_groups,
+    steady_throughput,
+)
 
 
 def test_steady_throughput_counts_completions_after_the_first():
@@ -41,3 +48,43 @@ def test_fidelity_warmup_tasks_are_other_tasks_and_keep_the_measured_set():
     assert [t.id for t in tasks] == [t.id for t in load_tasks("mmlu", 12, seed=3)]
     assert len(warm) == 5 and not {t.id for t in warm} & {t.id for t in tasks}
     assert measured_and_warmup_tasks("mmlu", 12, 0, seed=3)[1] == []
+
+
+def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server():
+    args = parse_args(["--agent-kind", "lora", "--methods", "nonshared,fullshared,prelr_shared",
+                       "--server-arg=--max-total-tokens=8192"])
+    groups = server_groups(args)
+    assert [(n, ms, url) for n, ms, url, _ in groups] == [
+        ("lr-cache", ["nonshared", "prelr_shared"], None), ("plain-lora", ["fullshared"], None)]
+    assert groups[0][3] == list(LORA_SERVER_ARGS) + ["--max-total-tokens=8192"]
+    assert "--kvshare-lr-cache" in groups[0][3] and "--kvshare-lr-cache" not in groups[1][3]
+    assert groups[1][3] == list(PLAIN_LORA_SERVER_ARGS) + ["--max-total-tokens=8192"]
+    # prompt agents: one server; an attached LR-cache server needs the plain one's URL for fullshared
+    assert [g[0] for g in server_groups(parse_args([]))] == ["main"]
+    with pytest.raises(SystemExit):
+        parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--methods", "nonshared,fullshared"])
+    attached = server_groups(parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--plain-lora-url",
+                                         "http://y:2", "--methods", "nonshared,fullshared"]))
+    assert [(n, url) for n, _, url, _ in attached] == [("lr-cache", "http://x:1"), ("plain-lora", "http://y:2")]
+
+
+def _point(ctx, methods):
+    return {"context": ctx, "rate": 0.0, "agents": 3, "rounds": 1, "ratios": {},
+            "methods": {m: {"ttft_s": {"p50": v}} for m, v in methods.items()}}
+
+
+def test_merge_parts_joins_points_and_recomputes_ratios_over_all_servers():
+    part = lambda pts, cap: {"points": pts, "skipped": [], "capacity": cap, "timeline": [{"m": 1}],  # noqa: E731
+                             "scaling": {"agents": [], "rounds": []}}
+    a = part([_point(512, {"nonshared": 2.0, "prelr_shared": 0.5}), _point(256, {"nonshared": 1.0})],
+             {"512": {"nonshared": {"wf_per_s": 0.1}}})
+    b = part([_point(512, {"fullshared": 0.4})], {"512": {"fullshared": {"wf_per_s": 0.3}}})
+    m = merge_parts([a, b])
+    assert [p["context"] for p in m["points"]] == [256, 512]
+    p512 = m["points"][1]
+    assert list(p512["methods"]) == ["nonshared", "prelr_shared", "fullshared"]
+    assert p512["ratios"]["fullshared"]["ttft_s.p50"] == pytest.approx(0.2)
+    assert p512["ratios"]["prelr_shared"]["ttft_s.p50"] == pytest.approx(0.25)
+    assert m["capacity"]["512"]["fullshared"]["vs_nonshared"] == pytest.approx(3.0)
+    assert len(m["timeline"]) == 2
+    assert a["points"][0]["methods"] == {"nonshared": {"ttft_s": {"p50": 2.0}}, "prelr_shared": {"ttft_s": {"p50": 0.5}}}
