@@ -45,7 +45,8 @@ output. Methods nonshared, baseshared, prelr_shared and rebase_shared_lp run on 
 ``--kvshare-lr-cache``; fullshared (reuse of the previous agent's full cache, value delta
 included) on a plain LoRA server. Reported per method: ``prompt_reuse_later`` (1 - computed /
 prompt tokens of the non-first agents), computed and ``rebuild_tokens`` (ReBaseShared's
-adapter-free prefills), first-token KL and greedy agreement vs the nonshared shadow, and the KV
+adapter-free prefills; under LP each is charged to the next turn, so a task's last rebuild is not
+counted), first-token KL and greedy agreement vs the nonshared shadow, and the KV
 bytes per token against one agent's LR bytes per token (as the server reports them).
 
 Usage (from the repository root):

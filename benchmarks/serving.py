@@ -88,8 +88,8 @@ from sglang_kvshare.workflows import (
 )
 
 DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
-# --agent-kind lora: the PReCache methods on an LR-cache server (rebase_shared_lp holds its answer
-# for the post-turn rebuild and is not streamed; DB is ReBaseShared's serving schedule)
+# --agent-kind lora: the PReCache methods on an LR-cache server (rebase_shared_lp: a later agent's
+# TTFT includes waiting for the rebuild the previous turn queued, if it has not finished)
 LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_db", "rebase_shared_lp")
 LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
                     "--kvshare-lr-cache", "--lora-paths", *(f"{n}={p}" for n, p in ADAPTERS.items()))
@@ -221,19 +221,6 @@ def kvshare_of(meta: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(kv, list):  # streamed chunks carry it as a one-element list
         kv = kv[0] if kv else {}
     return kv
-
-
-def held_generate(session: requests.Session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """POST an unstreamed /generate (for methods that hold the answer, rebase_shared_lp): the answer
-    arrives whole, so ttft_s = e2e_s."""
-    t0 = time.perf_counter()
-    r = session.post(url + "/generate", json=dict(payload, stream=False), timeout=timeout,
-                     headers=routing_headers(payload))
-    e2e = time.perf_counter() - t0
-    if r.status_code != 200:
-        raise RequestFailed(f"HTTP {r.status_code}: {r.text[:1000]}")
-    out = r.json()
-    return {"ttft_s": e2e, "e2e_s": e2e, "text": out.get("text", ""), "meta": out.get("meta_info", {})}
 
 
 def stream_generate(session: requests.Session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
@@ -385,9 +372,6 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
     outputs: List[str] = []
     records: List[Dict[str, Any]] = []
     session = requests.Session()
-    from sglang_kvshare.methods import get_method
-
-    generate = held_generate if get_method(spec.method).lr_sharing == "rebase_lp" else stream_generate
     for i, turn in enumerate(schedule):
         role = roles[turn.agent]
         reads = [(schedule[j].agent, roles[schedule[j].agent].title, outputs[j]) for j in turn.reads]
@@ -396,7 +380,7 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
         payload["sampling_params"]["ignore_eos"] = True
         rec: Dict[str, Any] = {"turn": i, "agent": turn.agent}
         try:
-            res = generate(session, url, payload, timeout)
+            res = stream_generate(session, url, payload, timeout)
         except (RequestFailed, requests.RequestException) as e:
             rec["error"] = f"{type(e).__name__}: {e}"
             records.append(rec)
@@ -1142,8 +1126,7 @@ def main(argv=None) -> Dict[str, Any]:
     merged = merge_parts(parts)
     results = {
         "benchmark": "serving",
-        "ttft": "client wall time from POST to the first SSE data chunk of a streamed /generate (127.0.0.1); "
-                "rebase_shared_lp holds its answer, so its requests are unstreamed and TTFT = e2e",
+        "ttft": "client wall time from POST to the first SSE data chunk of a streamed /generate (127.0.0.1)",
         "rho": "reused_tokens / tokens of shared segments, summed over requests (meta_info.kvshare)",
         "memory": "peak RSS summed over the server process tree (psutil, 0.25 s); GPU: nvidia-smi memory.used",
         "ratios": f"method / {BASELINE} at the same point of the same run",

@@ -36,6 +36,8 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ResponseMixin, ChatMixin)
         self.get_tm = get_tokenizer_manager
         self.outputs = OutputTokens(capacity=16 * args.max_workflows)
         self.referenced: FIFOCache = FIFOCache(16 * args.max_workflows)
+        self.rebuilds: FIFOCache = FIFOCache(args.max_workflows)  # workflow -> its queued LP rebuilds
+        self.rebuild_tasks: set = set()  # strong references until done (asyncio keeps weak ones)
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path") if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -59,17 +61,20 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ResponseMixin, ChatMixin)
     async def forward_generate(self, scope, receive, send, ann: KVShareAnnotation, payload: dict) -> None:
         """Send a rewritten /generate body to SGLang, recording the agent's output tokens."""
         method = get_method(ann.method)
+        if method.lr_sharing == "rebase_lp":
+            await self.await_rebuilds(ann, payload)
         if method.needs_reference:
             await self.ensure_references(ann, payload)
         new_body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
         scope = dict(scope, headers=headers, path="/generate", raw_path=b"/generate")
-        if payload.get("stream"):
-            return await self.app(scope, replay(new_body, receive), self._streaming_send(send, ann))
+        on_done = None
         if method.lr_sharing == "rebase_lp" and payload.get("lora_path") is not None:
-            return await self.app(scope, replay(new_body, receive), self._rebuilding_send(send, ann, payload))
-        return await self.app(scope, replay(new_body, receive), self._recording_send(send, ann))
+            on_done = lambda out: self.queue_rebuild(ann, payload, out)  # noqa: E731
+        if payload.get("stream"):
+            return await self.app(scope, replay(new_body, receive), self._streaming_send(send, ann, on_done))
+        return await self.app(scope, replay(new_body, receive), self._recording_send(send, ann, on_done))
 
 
 def install(app, args: KVShareArgs) -> None:

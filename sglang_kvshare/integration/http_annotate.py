@@ -59,8 +59,6 @@ class AnnotationMixin:
                 f"method {ann.method} corrects or recomputes K/V; on a --kvshare-lr-cache server LoRA "
                 "agents use nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
             )
-        if lr_sharing == "rebase_lp" and payload.get("stream"):
-            raise AnnotationError("method rebase_shared_lp rebuilds the cache after the turn; stream is not supported")
         tm = self.get_tm()
         tok = tm.tokenizer
         prefix = special_prefix(tok)

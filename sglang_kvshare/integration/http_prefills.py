@@ -1,20 +1,31 @@
 """Prefills the main process adds to an annotated request: the context-free reference caches of
-the non-chained correction methods, and ReBaseShared's lazy-prefill rebuild after an adapted turn
-(both real requests sent through SGLang's tokenizer manager)."""
+the non-chained correction methods, and ReBaseShared's lazy-prefill rebuild queued after an
+adapted turn (both real requests sent through SGLang's tokenizer manager into its scheduler)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
+import logging
+import time
 
 from sglang_kvshare.integration.http_annotate import special_prefix
 from sglang_kvshare.segments import WireSpec
 from sglang_kvshare.segments.sources import REFERENCE_AGENT
 from sglang_kvshare.segments.spec import KVShareAnnotation, Span
 
+logger = logging.getLogger(__name__)
+
+
+def lowest_priority() -> int:
+    """The priority value SGLang's priority scheduling serves last."""
+    from sglang.srt.runtime_context import get_schedule
+
+    return (1 << 63) - 1 if get_schedule().schedule_low_priority_values_first else -(1 << 63)
+
 
 class PrefillMixin:
-    """Needs ``args``, ``get_tm``, ``referenced`` and ``_remember``."""
+    """Needs ``args``, ``get_tm``, ``referenced``, ``rebuilds`` and ``rebuild_tasks``."""
 
     async def ensure_references(self, ann: KVShareAnnotation, payload: dict) -> None:
         """Prefill each shared segment alone (its context-free reference cache) once per workflow.
@@ -57,36 +68,33 @@ class PrefillMixin:
         wire = dataclasses.replace(wire, reference_tokens=charged)
         payload["sampling_params"]["custom_params"]["kvshare"] = wire.dumps()
 
-    def _rebuilding_send(self, send, ann: KVShareAnnotation, payload: dict):
-        """ReBaseShared, lazy prefill: hold the agent's response, prefill its new tokens (prompt
-        and the output tokens it fed) once more without an adapter into the workflow's shared namespace, then
-        answer with ``rebuild_tokens`` (computed by that prefill) in ``meta_info.kvshare``."""
-        held: dict = {"start": None, "chunks": []}
-        tok = self.get_tm().tokenizer
+    def queue_rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> None:
+        """ReBaseShared, lazy prefill: once the adapted turn has answered (streamed or not, the
+        answer does not wait), queue the adapter-free prefill of its new tokens into the
+        workflow's shared namespace. The workflow's next request waits for it (``await_rebuilds``);
+        other requests do not. With ``--enable-priority-scheduling`` it has the lowest priority."""
+        task = asyncio.get_running_loop().create_task(self.rebuild(ann, payload, out))
+        self.rebuild_tasks.add(task)
+        task.add_done_callback(self.rebuild_tasks.discard)
+        self.rebuilds[ann.workflow] = self.rebuilds.get(ann.workflow, []) + [task]
 
-        async def wrapped(message):
-            if message["type"] == "http.response.start":
-                held["start"] = message
-                return
-            if message["type"] != "http.response.body":
-                return await send(message)
-            held["chunks"].append(message.get("body", b""))
-            if message.get("more_body", False):
-                return
-            body = b"".join(held["chunks"])
-            start = held["start"]
-            if start is not None and start["status"] == 200:
-                self._remember(ann, body, tok)
-                out = json.loads(body)
-                out.setdefault("meta_info", {}).setdefault("kvshare", {})
-                out["meta_info"]["kvshare"]["rebuild_tokens"] = await self.rebuild(ann, payload, out)
-                body = json.dumps(out).encode()
-            headers = [(k, v) for k, v in (start or {}).get("headers", []) if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(body)).encode()))
-            await send(dict(start or {"type": "http.response.start", "status": 500}, headers=headers))
-            await send({"type": "http.response.body", "body": body})
-
-        return wrapped
+    async def await_rebuilds(self, ann: KVShareAnnotation, payload: dict) -> None:
+        """Before a request of a workflow runs: wait for the rebuilds its earlier turns queued (no
+        wait if they are done) and charge their tokens and the wait to it (``rebuild_tokens``,
+        ``rebuild_wait_ms`` in ``meta_info.kvshare``). A failed rebuild leaves the cache to be
+        prefilled by this request (logged)."""
+        tasks = self.rebuilds.pop(ann.workflow, None)
+        if not tasks:
+            return
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        for d in done:
+            if isinstance(d, BaseException):
+                logger.warning("kvshare: rebase_shared_lp rebuild of workflow %s failed: %r", ann.workflow, d)
+        wire = WireSpec.loads(payload["sampling_params"]["custom_params"]["kvshare"])
+        wire = dataclasses.replace(wire, rebuild_tokens=sum(d for d in done if isinstance(d, int)),
+                                   rebuild_wait_ms=round((time.perf_counter() - t0) * 1e3, 3))
+        payload["sampling_params"]["custom_params"]["kvshare"] = wire.dumps()
 
     async def rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> int:
         """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens."""
@@ -102,6 +110,7 @@ class PrefillMixin:
             sampling_params={"max_new_tokens": 1, "temperature": 0,
                              "custom_params": {"kvshare": wire.dumps()}},
             extra_key=wire.namespace,
+            priority=lowest_priority() if self.get_tm().enable_priority_scheduling else None,
         )
         res = None
         async for res in self.get_tm().generate_request(obj, None):

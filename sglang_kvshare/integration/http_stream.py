@@ -11,7 +11,8 @@ from sglang_kvshare.segments.spec import KVShareAnnotation
 class ResponseMixin:
     """Needs ``get_tm`` and ``_remember``."""
 
-    def _recording_send(self, send, ann: KVShareAnnotation):
+    def _recording_send(self, send, ann: KVShareAnnotation, on_done=None):
+        """``on_done(answer)`` (optional) gets the parsed answer of a 200 response."""
         chunks: list[bytes] = []
         tok = self.get_tm().tokenizer
 
@@ -19,13 +20,18 @@ class ResponseMixin:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 self._remember(ann, b"".join(chunks), tok)
+                if on_done is not None:
+                    try:
+                        on_done(json.loads(b"".join(chunks)))
+                    except ValueError:
+                        pass
             return message
 
         return ok_body_send(send, record)
 
-    def _streaming_send(self, send, ann: KVShareAnnotation):
+    def _streaming_send(self, send, ann: KVShareAnnotation, on_done=None):
         """Pass server-sent events through with ``meta_info.kvshare`` as one object, and
-        remember the agent's output tokens from the last event."""
+        remember the agent's output tokens from the last event (also given to ``on_done``)."""
         state = {"pending": b"", "last": None}
         tok = self.get_tm().tokenizer
 
@@ -52,6 +58,8 @@ class ResponseMixin:
             if not more:
                 if state["last"] is not None:
                     self._remember(ann, state["last"], tok)
+                    if on_done is not None:
+                        on_done(state["last"])
             return dict(message, body=body)
 
         return ok_body_send(send, rewrite, on_start=drop_length)

@@ -121,6 +121,8 @@ class ReqShareState:
             cached_tokens=self.first_prefix_len or 0,
             segments=segs,
         )
+        if self.method.lr_sharing == "rebase_lp":
+            self.meta.update(rebuild_tokens=self.spec.rebuild_tokens, rebuild_wait_ms=self.spec.rebuild_wait_ms)
         if self.method.selector:
             self.meta["recomputed_token_layers"] = sum(
                 r["recomputed_token_layers"] for r in self.recompute.values()

@@ -197,6 +197,10 @@ class WireSpec:
     target_rho: Optional[float] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
+    # ReBaseShared LP: tokens of the earlier turns' adapter-free rebuilds this request waited for
+    # (charged to it, it reads their cache) and how long it waited
+    rebuild_tokens: int = 0
+    rebuild_wait_ms: float = 0.0
 
     @property
     def namespace(self) -> str:

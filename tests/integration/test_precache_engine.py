@@ -111,10 +111,12 @@ def test_computed_tokens_in_a_round_robin(lr_servers):
         assert runs["nonshared"][t]["computed_tokens"] >= unseen - 6, t
         assert runs["nonshared"][t]["computed_tokens"] > 2 * new, t
     # ReBaseShared: each adapted turn's new tokens (prompt and fed output) are computed once more
-    # without an adapter, after the turn (LP) or beside it in the same batches (DB)
-    rebuilt = [(m["rebuild_tokens"], m["computed_tokens"]) for m in runs["rebase_shared_lp"]]
+    # without an adapter, beside it in the same batches (DB: counted in its answer) or queued after
+    # it (LP: counted in the workflow's next request, which reads the rebuilt cache)
+    rebuilt = [(m["rebuild_tokens"], m["computed_tokens"]) for m in runs["rebase_shared_db"]]
     assert all(r >= c for r, c in rebuilt) and any(r > c for r, c in rebuilt), rebuilt
-    assert [m["rebuild_tokens"] for m in runs["rebase_shared_db"]] == [r for r, _ in rebuilt]
+    lp = [m["rebuild_tokens"] for m in runs["rebase_shared_lp"]]
+    assert lp == [0] + [r for r, _ in rebuilt[:-1]]
 
 
 def test_baseshared_equals_nonshared_when_the_agent_produced_the_context(lr_servers, tiny_model):
@@ -131,12 +133,25 @@ def test_baseshared_equals_nonshared_when_the_agent_produced_the_context(lr_serv
 
 def test_rebase_lp_leaves_the_adapter_free_cache(lr_servers):
     """After ReBaseShared's rebuild, the next agent sees exactly the cache a base-model turn leaves:
-    the same outputs as a workflow whose first turns ran without any adapter (PreLR)."""
+    the same outputs as a workflow whose first turns ran without any adapter (PreLR). The adapted
+    turn streams (its answer does not wait for the rebuild); the workflow's next request waits for
+    the rebuild and is charged with its tokens."""
     ours, _ = lr_servers
-    rebased = [ask(ours, "rb-lp", "rebase_shared_lp", t) for t in range(3)]
+    first = ask(ours, "rb-lp", "rebase_shared_lp", 0)
+    events = ours.stream({"sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True,
+                          "lora_path": AGENTS[1], "kvshare": {"workflow": "rb-lp", "agent": AGENTS[1],
+                                                              "method": "rebase_shared_lp",
+                                                              "segments": turn_segments(1)}})
+    third = ask(ours, "rb-lp", "rebase_shared_lp", 2)
     neutral = [ask(ours, "rb-neutral", "prelr_shared", t, lora=t == 2) for t in range(3)]
-    assert rebased[2]["output_ids"] == neutral[2]["output_ids"]
-    assert rebased[2]["meta_info"]["kvshare"]["computed_tokens"] == neutral[2]["meta_info"]["kvshare"]["computed_tokens"]
+    assert third["output_ids"] == neutral[2]["output_ids"]
+    assert third["meta_info"]["kvshare"]["computed_tokens"] == neutral[2]["meta_info"]["kvshare"]["computed_tokens"]
+    assert len(events) > 2  # streamed token by token
+    m0, m1, m2 = first["meta_info"]["kvshare"], events[-1]["meta_info"]["kvshare"], third["meta_info"]["kvshare"]
+    assert m0["rebuild_tokens"] == 0
+    assert m1["rebuild_tokens"] == m0["computed_tokens"] + len(first["output_ids"]) - 1
+    assert m2["rebuild_tokens"] == m1["computed_tokens"] + len(events[-1]["output_ids"]) - 1
+    assert m2["rebuild_wait_ms"] >= 0
 
 
 def test_rebase_db_and_lp_leave_identical_caches(lr_servers):
@@ -150,8 +165,10 @@ def test_rebase_db_and_lp_leave_identical_caches(lr_servers):
     for t in range(4):
         assert db[t]["output_ids"] == lp[t]["output_ids"], t
         m_lp, m_db = lp[t]["meta_info"], db[t]["meta_info"]
-        for key in ("computed_tokens", "rebuild_tokens", "cached_tokens"):
+        for key in ("computed_tokens", "cached_tokens"):
             assert m_db["kvshare"][key] == m_lp["kvshare"][key], (t, key)
+        # LP's rebuild of turn t is charged to turn t + 1
+        assert m_lp["kvshare"]["rebuild_tokens"] == (db[t - 1]["meta_info"]["kvshare"]["rebuild_tokens"] if t else 0), t
         top_lp = {tok: p for p, tok, _ in m_lp["output_top_logprobs"][0]}
         top_db = {tok: p for p, tok, _ in m_db["output_top_logprobs"][0]}
         assert top_db.keys() == top_lp.keys(), t
