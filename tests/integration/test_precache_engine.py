@@ -25,7 +25,8 @@ def lr_servers(tmp_path_factory, tiny_model):
     flags = ["--enable-lora", "--lora-paths", *paths, "--lora-backend", "torch_native",
              "--max-loras-per-batch", "4"]
     with running(
-        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache"),
+        # priority scheduling: rebase_shared_lp queues its rebuild at the lowest priority
+        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache", "--enable-priority-scheduling"),
         lambda: stock_server(tiny_model, d / "stock.log", *flags, plugin=True),
     ) as (ours, stock):
         yield ours, stock
