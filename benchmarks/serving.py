@@ -69,7 +69,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -97,7 +97,31 @@ LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-lo
 # are, which needs K/V with the value deltas in them: a plain LoRA server (no LR cache), started
 # after the LR-cache server's methods have run
 PLAIN_LORA_METHODS = ("fullshared",)
-PLAIN_LORA_SERVER_ARGS = tuple(a for a in LORA_SERVER_ARGS if a != "--kvshare-lr-cache")
+LORA_KINDS = ("lora", "lora-random")
+
+
+def random_adapters(model_path: str, n: int, rank: int, out_dir: Path, seed: int = 0) -> Dict[str, str]:
+    """``n`` PEFT LoRA adapters ``a0..`` (q_proj, v_proj, rank ``rank``, alpha 2 x rank) with random
+    weights for the model: for timing any number of agents and ranks (their outputs mean
+    nothing). Returns name -> directory."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    base = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
+    for i in range(n):
+        torch.manual_seed(seed + i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_A" in name:
+                    param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]))
+                elif "lora_B" in name:  # small enough that greedy text stays text-like
+                    param.normal_(0.0, 0.02)
+        model.save_pretrained(str(out_dir / f"a{i}"))
+        out[f"a{i}"] = str(out_dir / f"a{i}")
+    return out
 BASELINE = "nonshared"
 FINAL = "final"
 SPECIALTIES = (
@@ -130,6 +154,10 @@ def make_roles(n_agents: int, kind: str = "prompt", prefix: str = "") -> tuple[L
         if n_agents != len(roles.roles):
             raise ValueError(f"--agent-kind lora has {len(roles.roles)} agents (the shipped adapters)")
         return list(roles.task_roles), roles.final_role
+    if kind == "lora-random":  # the shipped roles' turns, in a cycle, with adapters a0, a1, ...
+        shipped = lora_conversation_roles().roles
+        roles = [replace(shipped[i % len(shipped)], name=f"a{i}", lora_path=f"a{i}") for i in range(n_agents)]
+        return roles[:-1], roles[-1]
     if n_agents < 2:
         raise ValueError("a workflow needs at least 2 agents (one task agent and the final agent)")
     shift = 3 if prefix else 0  # other roles: other specialties too
@@ -962,10 +990,13 @@ def parse_args(argv=None):
     ap.add_argument("--plain-lora-url", default=None,
                     help="--agent-kind lora with --url: a running plain LoRA server (no --kvshare-lr-cache) for "
                          f"{', '.join(PLAIN_LORA_METHODS)}")
-    ap.add_argument("--agent-kind", choices=("prompt", "lora"), default="prompt",
+    ap.add_argument("--agent-kind", choices=("prompt",) + LORA_KINDS, default="prompt",
                     help="prompt: agents differ by system prompt; lora: by LoRA adapter (the shipped "
                          "solver/critic/final adapters, 3 agents; a server started here gets --enable-lora "
-                         "--kvshare-lr-cache and the adapters; fullshared runs on a second, plain LoRA server)")
+                         "--kvshare-lr-cache and the adapters; fullshared runs on a second, plain LoRA server); "
+                         "lora-random: as lora with --base-agents and --agents, each agent with its own random-weight "
+                         "adapter of rank --lora-rank generated at start (for timing: outputs mean nothing)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="--agent-kind lora-random: the adapters' rank")
     ap.add_argument("--methods", default=None,
                     help=f"default {','.join(DEFAULT_METHODS)}; with --agent-kind lora {','.join(LORA_METHODS)}")
     ap.add_argument("--contexts", type=_ints, default=[512, 1024, 2048], help="shared context lengths, tokens")
@@ -1000,12 +1031,17 @@ def parse_args(argv=None):
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    lora = args.agent_kind == "lora"
+    lora = args.agent_kind in LORA_KINDS
     if args.methods is None:
         args.methods = ",".join(LORA_METHODS if lora else DEFAULT_METHODS)
     args.methods = [m for m in args.methods.split(",") if m]
-    if lora:  # three adapter agents; the agent-count sweep does not apply
+    if args.agent_kind == "lora":  # three adapter agents; the agent-count sweep does not apply
         args.base_agents, args.agents = 3, []
+    if lora:
+        if args.url is not None and args.agent_kind == "lora-random":
+            ap.error("--agent-kind lora-random starts its own servers (with the adapters it generates); drop --url")
+        if args.lora_rank < 1:
+            ap.error("--lora-rank must be >= 1")
         if args.url is not None and args.plain_lora_url is None and any(m in PLAIN_LORA_METHODS for m in args.methods):
             ap.error(f"--agent-kind lora with --url: {', '.join(PLAIN_LORA_METHODS)} runs on a plain LoRA server "
                      "(no --kvshare-lr-cache); give its URL with --plain-lora-url")
@@ -1018,14 +1054,20 @@ def parse_args(argv=None):
     return args
 
 
-def server_groups(args) -> List[tuple]:
+def server_groups(args, adapters: Optional[Dict[str, str]] = None) -> List[tuple]:
     """(name, methods, url or None, launch_server flags) per server of the run, in order: one
-    server; for LoRA agents the LR-cache server, then a plain LoRA server for PLAIN_LORA_METHODS."""
-    if args.agent_kind != "lora":
+    server; for LoRA agents the LR-cache server, then a plain LoRA server for PLAIN_LORA_METHODS
+    (``adapters``: name -> path, instead of the shipped ones)."""
+    if args.agent_kind not in LORA_KINDS:
         return [("main", args.methods, args.url, list(args.server_arg))]
+    lora_flags = list(LORA_SERVER_ARGS)
+    if adapters:
+        cut = lora_flags.index("--lora-paths")
+        lora_flags = lora_flags[:cut] + ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
+        lora_flags[lora_flags.index("--max-loras-per-batch") + 1] = str(max(4, len(adapters)))
     plain = [m for m in args.methods if m in PLAIN_LORA_METHODS]
-    groups = [("lr-cache", [m for m in args.methods if m not in plain], args.url, list(LORA_SERVER_ARGS)),
-              ("plain-lora", plain, args.plain_lora_url, list(PLAIN_LORA_SERVER_ARGS))]
+    groups = [("lr-cache", [m for m in args.methods if m not in plain], args.url, lora_flags),
+              ("plain-lora", plain, args.plain_lora_url, [a for a in lora_flags if a != "--kvshare-lr-cache"])]
     return [(n, ms, url, flags + args.server_arg) for n, ms, url, flags in groups if ms]
 
 
@@ -1065,7 +1107,7 @@ def run_methods(args, url: str, pid: Optional[int], tok, methods: List[str], bar
     if not args.no_warmup:  # one short single-stream workflow per method, not recorded
         bar.set_description("warm-up")
         for m in methods:
-            spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind == "lora" else 2, 1, 1, 2, 0,
+            spec = PointSpec(32, 0.0, m, args.base_agents if args.agent_kind in LORA_KINDS else 2, 1, 1, 2, 0,
                              args.agent_kind)
             run_point(url, spec, [make_context(tok, 32, f"warmup-{m}")], None, args.request_timeout, _NullBar())
     if first:
@@ -1096,10 +1138,17 @@ def main(argv=None) -> Dict[str, Any]:
     correcting = [m for m in args.methods if get_method(m).corrector is not None]
     total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
     total += args.pre_serve * turns_of(3, 1)
-    parts, servers, info = [], [], None
+    parts, servers, info, adapters = [], [], None, None
     t0 = time.time()
+    if args.agent_kind == "lora-random":
+        from sglang_kvshare.assets import ensure_default_model
+
+        n = max([args.base_agents] + list(args.agents))
+        print(f"generating {n} random LoRA adapters of rank {args.lora_rank}", flush=True)
+        adapters = random_adapters(args.model_path or str(ensure_default_model()), n, args.lora_rank,
+                                   Path(tempfile.mkdtemp(prefix="serving-adapters-")), seed=args.seed)
     with tqdm(total=total, unit="req") as bar:
-        for gi, (name, methods, url, flags) in enumerate(server_groups(args)):
+        for gi, (name, methods, url, flags) in enumerate(server_groups(args, adapters)):
             server, log_dir = None, None
             if url is None:
                 from tests.integration.server import Server

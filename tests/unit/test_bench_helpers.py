@@ -7,7 +7,7 @@ import pytest
 from benchmarks.observe_stall import split_gaps, summary
 from benchmarks.serving import (
     LORA_SERVER_ARGS,
-    PLAIN_LORA_SERVER_ARGS,
+    make_roles,
     merge_parts,
     parse_args,
     server_groups,
@@ -58,7 +58,19 @@ def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server()
         ("lr-cache", ["nonshared", "prelr_shared"], None), ("plain-lora", ["fullshared"], None)]
     assert groups[0][3] == list(LORA_SERVER_ARGS) + ["--max-total-tokens=8192"]
     assert "--kvshare-lr-cache" in groups[0][3] and "--kvshare-lr-cache" not in groups[1][3]
-    assert groups[1][3] == list(PLAIN_LORA_SERVER_ARGS) + ["--max-total-tokens=8192"]
+    assert groups[1][3] == [a for a in LORA_SERVER_ARGS if a != "--kvshare-lr-cache"] + ["--max-total-tokens=8192"]
+    # generated adapters replace the shipped ones, and every one of them fits in a batch
+    gen = server_groups(parse_args(["--agent-kind", "lora-random", "--methods", "prelr_shared,fullshared"]),
+                        {f"a{i}": f"/x/a{i}" for i in range(8)})
+    for _, _, _, flags in gen:
+        paths = flags[flags.index("--lora-paths") + 1:]
+        assert paths == [f"a{i}=/x/a{i}" for i in range(8)]
+        assert flags[flags.index("--max-loras-per-batch") + 1] == "8"
+    task, final = make_roles(5, "lora-random")
+    assert [r.name for r in task] + [final.name] == [r.lora_path for r in task] + [final.lora_path] == [
+        "a0", "a1", "a2", "a3", "a4"]
+    with pytest.raises(SystemExit):
+        parse_args(["--agent-kind", "lora-random", "--lora-rank", "0"])
     # prompt agents: one server; an attached LR-cache server needs the plain one's URL for fullshared
     assert [g[0] for g in server_groups(parse_args([]))] == ["main"]
     with pytest.raises(SystemExit):
