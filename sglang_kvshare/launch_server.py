@@ -195,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
         sys.exit("--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
                  "--attention-backend kvshare_torch (the backend that holds the LR pool)")
+    if kv_args.lr_cache:
+        from sglang_kvshare.lora_cache.targets import check_lora_paths
+
+        problems = check_lora_paths(server_args.lora_paths)
+        if problems:
+            sys.exit(f"{PROG}: " + f"\n{PROG}: ".join(problems))
     try:
         run_server(server_args)
     finally:

@@ -52,18 +52,38 @@ def build_tiny_llama(
     return str(out_dir)
 
 
-def build_tiny_adapter(model_dir: str, out_dir: Path, seed: int, rank: int = 4) -> str:
-    """A random PEFT LoRA adapter (q_proj, v_proj) for the tiny Llama; B is non-zero so it acts."""
+def build_tiny_adapter(
+    model_dir: str, out_dir: Path, seed: int, rank: int = 4, targets: tuple = ("q_proj", "v_proj"),
+    b_std: float = 0.5,
+) -> str:
+    """A random PEFT LoRA adapter (default q_proj, v_proj) for the tiny Llama; B is non-zero
+    (std ``b_std``) so it acts."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, b_std)
     model.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def without_module(adapter_dir: str, out_dir: Path, module: str) -> str:
+    """A copy of a PEFT adapter with ``module``'s LoRA weights removed (a negative control)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = Path(adapter_dir)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg["target_modules"] = [t for t in cfg["target_modules"] if t != module]
+    (out_dir / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if f".{module}." not in k}, str(out_dir / "adapter_model.safetensors"))
     return str(out_dir)

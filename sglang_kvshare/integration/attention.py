@@ -10,7 +10,8 @@ extend's rows; their queries then attend by position (``_forward_rows``).
 
 With ``--kvshare-lr-cache`` the backend also owns PReCache's LR pool
 (``sglang_kvshare.integration.lr_cache``): it writes base K/V as stock and attends with
-``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and decode.
+``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and decode; with a key LR cache
+(k_proj adapters) agent j's keys are ``K_base + RoPE(LR^K_j B^K_j)``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             kv_indices, qo_indptr, kv_indptr,
             self.lr.buffers[layer.layer_id], self.lr.B_v[layer.layer_id],
             fwd.lr_columns.to(q.device), layer.scaling, True,
+            key_lr=self.lr.key_lr_of(layer.layer_id),
         )
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 

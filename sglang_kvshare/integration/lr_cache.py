@@ -1,20 +1,31 @@
-"""PReCache's LR cache inside SGLang: the value LoRA delta kept as per-agent rank-r columns.
+"""PReCache's LR cache inside SGLang: the value (and key) LoRA deltas kept as per-agent rank-r columns.
 
 With ``--kvshare-lr-cache`` (and ``--enable-lora``) the KV pool holds base values
 ``V_base = X W0_v`` for every token, whichever adapter computed it, and an LR pool indexed by the
 same slots holds ``s_k X A_k^T`` ([r] per layer) for EVERY resident adapter k, written as ``X`` is
 produced. Agent j attends with ``P V_base + (P LR_j) B_j`` (``kvshare_torch`` backend, with
-``kernels.flash_lora_attention_paged``: Triton on CUDA, torch SDPA elsewhere), so the value delta is never materialised and the base cache can serve any
-agent. Two hooks make it happen:
+``kernels.flash_lora_attention_paged``: Triton on CUDA, torch SDPA elsewhere), so the value delta
+is never materialised and the base cache can serve any agent.
 
-- ``QKVParallelLinearWithLoRA.apply_lora`` (AROUND): the stock q/k LoRA deltas are applied, the v
-  delta is left out (the B rows of v are zeroed for the call), and the LR values of all resident
-  adapters are written at the forward's ``out_cache_loc``.
+When a loaded adapter adapts ``k_proj`` (QKVO adapters) the keys are split the same way: the KV
+pool holds base keys ``K_base = RoPE(X W0_k)`` and a key LR pool holds ``s_k X A_k^T`` of the
+k_proj A, pre-RoPE. RoPE is linear, so agent j's key is ``K_base + RoPE(LR^K_j B^K_j)``, the
+delta rotated at the key's own position (its index in the request's token row: the position the
+model rotated its base key at). The delta cannot be folded after the scores as the value delta
+is (the rotation sits between ``B^K`` and ``q``), so attention expands it from rank r per key
+(``flash_lora_torch.rotate_key_delta``, or tile by tile in the Triton kernel). Key LR rows carry no
+position, so copying them with an injected or moved segment is exact.
+
+Two hooks make it happen:
+
+- ``QKVParallelLinearWithLoRA.apply_lora`` (AROUND): the stock q LoRA delta is applied, the v
+  delta (and the k delta when the key LR is on) is left out (those B rows are zeroed for the
+  call), and the LR values of all resident adapters are written at the forward's ``out_cache_loc``.
 - ``LoRAManager.fetch_new_loras`` (AROUND): every loaded adapter stays resident in the LoRA
   memory pool, so each has a stable buffer slot = its LR column (PreLRShared writes all of them).
 
-Adapters on ``k_proj`` are refused: their delta enters the keys, which the shared base cache
-cannot hold per agent (the paper's key LR cache is not wired into the engine).
+Adapters the LR cache cannot hold (``lora_cache.targets``: e.g. embed_tokens, fused qkv_proj,
+rank patterns) are refused by the launcher before SGLang starts and again here, naming them.
 """
 
 from __future__ import annotations
@@ -27,8 +38,11 @@ from typing import Optional
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from sglang_kvshare.integration.injection import rope_of
 from sglang_kvshare.integration.kv_io import kv_bytes_per_token
 from sglang_kvshare.integration.plugin import session
+from sglang_kvshare.kernels.flash_lora_torch import KeyLR
+from sglang_kvshare.lora_cache.targets import adapts_keys, lr_cache_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +74,14 @@ class LRCache:
         self.buffers: dict[int, torch.Tensor] = {}  # layer -> [kv rows, n_slots, max_r]
         # layer -> [n_slots, max_r, kv_dim]: the resident adapters' value B, as last applied
         self.B_v: dict[int, torch.Tensor] = {}
+        self.key_buffers: dict[int, torch.Tensor] = {}  # key LR (pre-RoPE), as ``buffers``
+        self.B_k: dict[int, torch.Tensor] = {}  # the k_proj B, as ``B_v``
         self.check_adapters()
+        self.rope = rope_of(model_runner) if self.key_lr else None
+        head_dim = self.kv_pool.get_key_buffer(0).shape[-1]
+        if self.key_lr and model_runner.device == "cuda" and not (
+                self.rope.is_neox and self.rope.rotary_dim == head_dim):
+            raise ValueError("the key LR cache's Triton kernel needs neox RoPE over the whole head")
 
     def check_adapters(self) -> None:
         loras = self.manager.loras
@@ -70,13 +91,15 @@ class LRCache:
                 f"least {len(loras) + 1} (adapters + the base model), got {self.n_slots}"
             )
         for uid, lora in loras.items():
-            targets = lora.config.target_modules
-            targets = [targets] if isinstance(targets, str) else list(targets or [])
-            if any(t in ("k_proj", "qkv_proj", "all-linear") for t in targets):
-                raise ValueError(
-                    f"adapter {uid} adapts k_proj; the engine's LR cache holds value deltas only "
-                    f"(use q/v/o adapters with --kvshare-lr-cache)"
-                )
+            ref = self.manager.lora_refs.get(uid)
+            why = lr_cache_refusal(getattr(ref, "lora_name", None) or uid, lora.config.hf_config)
+            if why:
+                raise ValueError(why)
+
+    @property
+    def key_lr(self) -> bool:
+        """Whether a loaded adapter adapts k_proj (then every layer keeps key LR columns)."""
+        return any(adapts_keys(lora.config.hf_config) for lora in self.manager.loras.values())
 
     def columns(self, forward_batch) -> torch.Tensor:
         """[bs] int64: the LR column of each request of the batch (-1: the base model)."""
@@ -87,37 +110,48 @@ class LRCache:
     def column_of(self, lora_id: Optional[str]) -> int:
         return -1 if lora_id is None else self.manager.memory_pool.uid_to_buffer_id[lora_id]
 
-    def buffer(self, layer: int, max_r: int) -> torch.Tensor:
-        buf = self.buffers.get(layer)
+    def buffer(self, layer: int, max_r: int, pools: Optional[dict] = None) -> torch.Tensor:
+        pools = self.buffers if pools is None else pools
+        buf = pools.get(layer)
         if buf is None or buf.shape[2] != max_r:
             rows = self.kv_pool.get_value_buffer(layer).shape[0]
             dtype = self.kv_pool.get_value_buffer(layer).dtype
             buf = torch.zeros(rows, self.n_slots, max_r, dtype=dtype, device=self.kv_pool.device)
-            self.buffers[layer] = buf
+            pools[layer] = buf
         return buf
 
+    def all_buffers(self) -> list:
+        return [*self.buffers.values(), *self.key_buffers.values()]
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return sum(b.numel() * b.element_size() for b in self.all_buffers())
+
+    def key_lr_of(self, layer: int) -> Optional[KeyLR]:
+        """The key LR inputs of ``flash_lora_attention_paged`` for ``layer`` (None: none kept)."""
+        buf = self.key_buffers.get(layer)
+        return None if buf is None else KeyLR(buf, self.B_k[layer], self.rope)
 
     @functools.cached_property
     def bytes_per_token(self) -> dict[str, int]:
         """Per cached token (fixed once the pools exist): base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
         kv = kv_bytes_per_token(self.kv_pool)
         elem = self.kv_pool.get_value_buffer(0).element_size()
-        lr = len(self.layer_of) * self.manager.memory_pool.max_lora_rank * elem
+        lr = len(self.layer_of) * self.manager.memory_pool.max_lora_rank * elem * (2 if self.key_lr else 1)
         return {"kv_bytes_per_token": kv, "lr_bytes_per_token_per_agent": lr}
 
     @torch.no_grad()
     def apply_qkv(self, mod, base_output: torch.Tensor, x: torch.Tensor, loc: Optional[torch.Tensor]) -> torch.Tensor:
-        """q/k LoRA deltas as stock, no v delta; LR values of all resident adapters written at
-        KV slots ``loc`` (the forward's ``out_cache_loc``)."""
+        """The q LoRA delta as stock (and the k delta unless the key LR is on), no v delta; LR
+        values of all resident adapters (value, and key when on) written at KV slots ``loc``
+        (the forward's ``out_cache_loc``)."""
         layer = self.layer_of[id(mod)]
         A, B = mod.A_buffer_qkv, mod.B_buffer_qkv  # [slots, 3 max_r, hidden], [slots, q+2kv, max_r]
         off = mod.output_offset_cpu.tolist()  # [0, q, q+kv, q+2kv]
-        B_qk = B.clone()
-        B_qk[:, off[2] : off[3]] = 0
+        key = self.key_lr
+        B_q = B.clone()
+        B_q[:, (off[1] if key else off[2]) : off[3]] = 0
         out = mod.lora_backend.run_qkv_lora(
-            x=x, qkv_lora_a=A, qkv_lora_b=B_qk, base_output=base_output,
+            x=x, qkv_lora_a=A, qkv_lora_b=B_q, base_output=base_output,
             output_offset=mod.output_offset, output_offset_cpu=mod.output_offset_cpu,
             max_qkv_out_dim=mod.max_qkv_out_dim,
         )
@@ -125,28 +159,35 @@ class LRCache:
         if loc is None or loc.numel() != x.shape[0]:
             raise RuntimeError(f"LR cache: {x.shape[0]} tokens but {None if loc is None else loc.numel()} KV slots")
         lr = torch.zeros(x.shape[0], self.n_slots, max_r, dtype=x.dtype, device=x.device)
+        lr_k = torch.zeros_like(lr) if key else None
         for uid, slot in self.manager.memory_pool.uid_to_buffer_id.items():
             lora = self.manager.loras.get(uid) if uid is not None else None
             if lora is None:
                 continue
-            r = lora.config.r
+            r = lora.config.r  # SGLang stacks [A_q; A_k; A_v] at rows [0:r], [r:2r], [2r:3r]
             lr[:, slot, :r] = torch.mm(x, A[slot, 2 * r : 3 * r].T) * lora.scaling
+            if key:
+                lr_k[:, slot, :r] = torch.mm(x, A[slot, r : 2 * r].T) * lora.scaling
         buf = self.buffer(layer, max_r)
         buf[loc] = lr.to(buf.dtype)
         self.B_v[layer] = B[:, off[2] : off[3]].transpose(1, 2).contiguous()
+        if key:
+            kbuf = self.buffer(layer, max_r, self.key_buffers)
+            kbuf[loc] = lr_k.to(kbuf.dtype)
+            self.B_k[layer] = B[:, off[1] : off[2]].transpose(1, 2).contiguous()
         return out
 
     @torch.no_grad()
     def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """All LR columns of slots ``src`` -> slots ``dst`` (an injected segment keeps the LR
         caches its source computed; LR values carry no position)."""
-        for buf in self.buffers.values():
+        for buf in self.all_buffers():
             buf[dst] = buf[src]
 
     @torch.no_grad()
     def copy_column(self, src: torch.Tensor, dst: torch.Tensor, column: int) -> None:
         """LR column ``column`` of slots ``src`` -> slots ``dst`` in every layer."""
-        for buf in self.buffers.values():
+        for buf in self.all_buffers():
             buf[dst, column] = buf[src, column]
 
 

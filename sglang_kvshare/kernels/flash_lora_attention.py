@@ -254,11 +254,9 @@ def flash_lora_attention_triton(
 
 
 def flash_lora_attention_paged(*args, **kwargs) -> torch.Tensor:
-    """Dispatcher: the Triton kernel for CUDA tensors, the torch SDPA path elsewhere (value LR;
-    a key LR cache goes to the reference)."""
+    """Dispatcher: the Triton kernel for CUDA tensors, the torch SDPA path elsewhere (value and
+    key LR)."""
     q = args[0] if args else kwargs["q"]
     if HAS_TRITON and q.is_cuda:
         return flash_lora_attention_triton(*args, **kwargs)
-    if kwargs.get("key_lr") is not None:
-        return flash_lora_attention_reference(*args, **kwargs)
     return flash_lora_attention_sdpa(*args, **kwargs)

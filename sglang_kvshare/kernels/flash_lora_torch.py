@@ -72,12 +72,15 @@ def flash_lora_attention_sdpa(
     agent: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     causal: bool = True,
+    key_lr: Optional[KeyLR] = None,
     **_unused,
 ) -> torch.Tensor:
-    """Torch serving path (value LR only; same contract as the kernel): per request one
+    """Torch serving path (same contract as the kernel): per request one
     ``scaled_dot_product_attention`` call whose values carry the agent's LR column as r extra
     channels, so it yields ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is then added per
-    query head (GQA: KV head g's columns of B). Runs in q.dtype."""
+    query head (GQA: KV head g's columns of B). With ``key_lr`` an adapted request's keys are
+    ``K_base + RoPE(LR_k B_k)``, the delta rotated at each key's index in its request
+    (``rotate_key_delta``). Runs in q.dtype."""
     from torch.nn.functional import scaled_dot_product_attention
 
     out = torch.empty_like(q)
@@ -95,6 +98,9 @@ def flash_lora_attention_sdpa(
         k = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
         v = v_buf[slots].transpose(0, 1).to(q.dtype)
         j = -1 if lr_buf is None else (0 if agent is None else int(agent[b]))
+        if key_lr is not None and j >= 0:
+            delta = rotate_key_delta(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], Hkv, key_lr.rope)
+            k = k + delta.transpose(0, 1).to(q.dtype)
         if j >= 0:
             lr = lr_buf[slots, j].to(q.dtype)  # [kv, r]
             v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
@@ -113,3 +119,38 @@ def flash_lora_attention_sdpa(
             res = res + torch.bmm(o[..., D:], Bh)  # [Hq, q, r] @ [Hq, r, D]
         out[q0:q1] = res.transpose(0, 1)
     return out
+
+
+_ROPE_TABLES: dict = {}
+
+
+def _rope_table(rope: RopeSpec, n: int, device) -> tuple:
+    """(cos, sin) [>= n, rotary_dim // 2] float32 for positions 0.., cached per RopeSpec and
+    device (float64 angles, as ``shift_keys``), grown by doubling."""
+    key = (id(rope), str(device))
+    hit = _ROPE_TABLES.get(key)
+    if hit is None or hit[2] is not rope or hit[0].shape[0] < n:
+        m = max(n, 256, 2 * (0 if hit is None else hit[0].shape[0]))
+        ang = torch.arange(m, dtype=torch.float64)[:, None] * rope.inv_freq.double()[None, :]
+        hit = (ang.cos().float().to(device), ang.sin().float().to(device), rope)
+        _ROPE_TABLES[key] = hit
+    return hit[0][:n], hit[1][:n]
+
+
+def rotate_key_delta(lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int,
+                     rope: RopeSpec) -> torch.Tensor:
+    """``RoPE(LR_k B_k)`` [T, Hkv, D] float32 for T keys at positions 0 .. T-1 (their indices in
+    the request): lr_k [T, r] (scaling folded in), B_k [r, Hkv * D]. Same math as
+    ``lora_cache.expand_key_lr``, with cached trigonometry."""
+    T = lr_k.shape[0]
+    x = (lr_k.float() @ B_k.float()).view(T, num_kv_heads, -1)
+    rd = rope.rotary_dim
+    cos, sin = _rope_table(rope, T, x.device)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if rope.is_neox:
+        x1, x2 = x[..., : rd // 2], x[..., rd // 2 : rd]
+        rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+        rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return rot if rd == x.shape[-1] else torch.cat((rot, x[..., rd:]), dim=-1)

@@ -165,3 +165,50 @@ def test_sdpa_serving_path_matches_reference(q_lens, kv_lens, agents):
     # negative control: dropping the LR term changes the adapted requests
     base = fla.flash_lora_attention_sdpa(*args)
     assert not torch.allclose(base[: q_lens[0]], out[: q_lens[0]], atol=1e-3)
+
+
+@PAGED_CASES
+def test_sdpa_serving_path_with_key_lr_matches_reference(q_lens, kv_lens, agents):
+    """The CPU serving path with a key LR cache (QKVO adapters) equals the reference, and per
+    request the ordinary LoRA attention over K = RoPE(K_pre + LR_k B_k), V = V_base + LR_v B_v."""
+    args, kw = _batch(q_lens, kv_lens, seed=5, key_lr=True)
+    agent = torch.tensor(agents, dtype=torch.int32)
+    q, k_buf, v_buf, kv_indices, qo, kvp = args
+    lr_k, B_k, rope = kw["key_lr"]
+    k_pre = torch.randn(SLOTS, HKV, D, generator=torch.Generator().manual_seed(6))
+    k_buf = k_buf.clone()
+    for b in range(len(q_lens)):  # base keys rotated at their index in the request
+        slots = kv_indices[kvp[b]:kvp[b + 1]].long()
+        k_buf[slots] = shift_keys(k_pre[slots], torch.arange(len(slots)), rope)
+    args = (q, k_buf, v_buf, kv_indices, qo, kvp)
+    out = fla.flash_lora_attention_sdpa(*args, agent=agent, **kw)
+    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=agent, **kw),
+                               atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(fla.flash_lora_attention_paged(*args, agent=agent, **kw), out)
+    for b, j in enumerate(agents):
+        slots = kv_indices[kvp[b]:kvp[b + 1]].long()
+        pos = torch.arange(len(slots))
+        k = k_buf[slots] if j < 0 else shift_keys(
+            k_pre[slots] + (lr_k[slots, j] @ B_k[j]).view(-1, HKV, D), pos, rope)
+        v = v_buf[slots] if j < 0 else v_buf[slots] + (kw["lr_buf"][slots, j] @ kw["B_v"][j]).view(-1, HKV, D)
+        torch.testing.assert_close(out[qo[b]:qo[b + 1]],
+                                   lora_attention_naive(q[qo[b]:qo[b + 1]], k, v, None, None),
+                                   atol=ATOL, rtol=1e-5)
+    # negative control: without the key LR term the adapted requests' outputs change
+    no_key = fla.flash_lora_attention_sdpa(*args, agent=agent, lr_buf=kw["lr_buf"], B_v=kw["B_v"])
+    assert not torch.allclose(no_key[: q_lens[0]], out[: q_lens[0]], atol=1e-3)
+
+
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, D), (False, D), (True, D // 2)])
+def test_rotate_key_delta_equals_expand_key_lr(is_neox, rotary_dim):
+    from sglang_kvshare.kernels.flash_lora_torch import rotate_key_delta
+    from sglang_kvshare.lora_cache import expand_key_lr
+
+    g = torch.Generator().manual_seed(7)
+    rope = RopeSpec(inv_freq_for(rotary_dim, 10000.0), rotary_dim, is_neox=is_neox)
+    lr_k, B_k = torch.randn(300, R, generator=g), torch.randn(R, HKV * D, generator=g)
+    for n in (5, 300):  # the cached table grows
+        got = rotate_key_delta(lr_k[:n], B_k, HKV, rope)
+        torch.testing.assert_close(got, expand_key_lr(lr_k[:n], B_k, HKV, torch.arange(n), rope),
+                                   atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(got, (lr_k @ B_k).view(300, HKV, D), atol=1e-2)
