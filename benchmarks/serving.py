@@ -29,6 +29,8 @@ Metrics per (context, rate, method), all from one run of this script:
   ``peak_gpu_mb``: peak ``nvidia-smi`` memory.used when a GPU is present, else null (both are
   dominated by SGLang's preallocated KV pool). ``peak_kv_tokens`` / ``peak_kv_mb``: peak KV slots
   in use (SGLang's ``/v1/loads`` ``num_used_tokens``, sampled every 0.5 s) and their size.
+  Through a ``launch_router`` URL these read the workers, not the router: the peaks of the sums
+  over the workers (the RSS of those on this host), and ``workers_memory`` each worker's own.
 - ``rho`` = reused / shared tokens summed over all requests (``meta_info.kvshare.reused_tokens``,
   which also counts ordinary prefix-cache hits in the agent's own namespace, e.g. an agent's
   second round; and the tokens of segments with ``shared: true``; a segment under selective
@@ -337,31 +339,55 @@ def kv_load(session: requests.Session, url: str) -> Optional[Dict[str, float]]:
         return None
 
 
+def router_worker_urls(url: str) -> List[str]:
+    """The workers behind ``url`` when it is a ``launch_router`` URL (the router's ``GET
+    /workers``), else [] (one server: SGLang has no such route)."""
+    from sglang_kvshare.launch_router import router_workers
+
+    return [w["url"] for w in router_workers(url) or [] if w.get("url")]
+
+
+def _total(values: List[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _peak(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return b if a is None else a if b is None else max(a, b)
+
+
 class MemorySampler:
     """Samples, in a thread until the ``with`` block ends: the server tree's RSS (every
     ``interval`` s), GPU memory (nvidia-smi, every 1 s) and KV slots in use (``/v1/loads``,
-    every 0.5 s)."""
+    every 0.5 s). Behind a router (``launch_router``) it reads each worker instead of the router:
+    its process tree (found by its port, so only workers on this host) and its ``/v1/loads``; the
+    totals are the peaks of the per-sample sums, ``per_worker()`` each worker's own readings."""
 
     def __init__(self, pid: Optional[int], url: Optional[str] = None, interval: float = 0.25):
         self.pid, self.url, self.interval = pid, url, interval
-        self.baseline = tree_rss_mb(pid) if pid else None
-        self.peak_rss = self.baseline
+        self.worker_urls = router_worker_urls(url) if url else []
+        self.targets = [(find_server_pid(w), w) for w in self.worker_urls] or [(pid, url)]
+        self.baselines = [tree_rss_mb(p) if p else None for p, _ in self.targets]
+        self.peaks_rss = list(self.baselines)
+        self.baseline = self.peak_rss = _total(self.baselines)
         self.gpu = shutil.which("nvidia-smi") is not None
         self.peak_gpu = gpu_used_mb() if self.gpu else None
         self._session = requests.Session()
-        first = kv_load(self._session, url) if url else None
-        self.peak_kv_tokens = first["used_tokens"] if first else None
-        self.kv_mb_per_token = first["mb_per_token"] if first else None
+        first = [kv_load(self._session, u) if u else None for _, u in self.targets]
+        self.peaks_kv = [f["used_tokens"] if f else None for f in first]  # None: not sampled
+        self.peak_kv_tokens = _total(self.peaks_kv)
+        self.kv_mb_per_token = next((f["mb_per_token"] for f in first if f), None)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         last_gpu = last_kv = 0.0
         while not self._stop.wait(self.interval):
-            if self.pid:
-                rss = tree_rss_mb(self.pid)
-                if rss is not None:
-                    self.peak_rss = max(self.peak_rss or 0.0, rss)
+            rss = [tree_rss_mb(p) if p else None for p, _ in self.targets]
+            self.peaks_rss = [_peak(a, b) for a, b in zip(self.peaks_rss, rss)]
+            total = _total(rss)
+            if total is not None:
+                self.peak_rss = max(self.peak_rss or 0.0, total)
             now = time.time()
             if self.gpu and now - last_gpu >= 1.0:
                 last_gpu = now
@@ -370,15 +396,26 @@ class MemorySampler:
                     self.peak_gpu = max(self.peak_gpu or 0.0, g)
             if self.peak_kv_tokens is not None and now - last_kv >= 0.5:
                 last_kv = now
-                kv = kv_load(self._session, self.url)
-                if kv is not None:
-                    self.peak_kv_tokens = max(self.peak_kv_tokens, kv["used_tokens"])
+                kv = [kv_load(self._session, u) if peak is not None else None
+                      for peak, (_, u) in zip(self.peaks_kv, self.targets)]
+                used = [k["used_tokens"] if k else None for k in kv]
+                self.peaks_kv = [_peak(a, b) for a, b in zip(self.peaks_kv, used)]
+                total = _total(used)
+                if total is not None:
+                    self.peak_kv_tokens = max(self.peak_kv_tokens, total)
 
     @property
     def peak_kv_mb(self) -> Optional[float]:
         if self.peak_kv_tokens is None or self.kv_mb_per_token is None:
             return None
         return self.peak_kv_tokens * self.kv_mb_per_token
+
+    def per_worker(self) -> Optional[Dict[str, Dict[str, Optional[float]]]]:
+        """{worker URL: its RSS baseline and peak (MB), peak KV slots in use}; None for one server."""
+        if not self.worker_urls:
+            return None
+        return {u: {"rss_baseline_mb": b, "peak_rss_mb": r, "peak_kv_tokens": k}
+                for (_, u), b, r, k in zip(self.targets, self.baselines, self.peaks_rss, self.peaks_kv)}
 
     def __enter__(self):
         self._thread.start()
@@ -539,6 +576,7 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "peak_rss_delta_mb": (mem.peak_rss - mem.baseline) if mem.baseline is not None else None,
         "peak_gpu_mb": mem.peak_gpu,
         "peak_kv_tokens": mem.peak_kv_tokens, "peak_kv_mb": mem.peak_kv_mb,
+        "workers_memory": mem.per_worker(),
     }
 
 
@@ -855,7 +893,7 @@ def plot(results: Dict[str, Any], out: Path) -> List[Path]:
     methods = results["config"]["methods"]
     paths = []
     qps = results["qps_sweep"]
-    title = f"{Path(str(results['server'].get('model_path'))).name}, {results['host']['machine']}"
+    title = f"{Path(str(results['servers'][0].get('model_path'))).name}, {results['host']['machine']}"
     if qps:
         ctxs = sorted({p["context"] for p in qps})
         fig, axes = plt.subplots(2, len(ctxs), figsize=(4.2 * len(ctxs), 6.5), squeeze=False, sharex="col")

@@ -72,6 +72,12 @@ class KVShareArgs:
         "at shutdown and every --kvshare-anchor-pool-interval seconds",
     )
     anchor_pool_interval: float = _flag(300.0, "seconds between periodic saves of --kvshare-anchor-pool")
+    anchor_pool_seed: str = _flag(
+        "",
+        "warm start from another server's anchor-pool file (read, never written): loaded at "
+        "startup when the --kvshare-anchor-pool file does not exist yet, or without "
+        "--kvshare-anchor-pool; the file must exist and fit this server",
+    )
     dump_dir: str = _flag(
         "",
         "evaluation mode: write the K/V of every shared segment of each finished annotated "

@@ -10,6 +10,10 @@ them, with workflow affinity: ``--routing-key-override`` pins every request that
 (``cache_aware`` unless ``--router-arg=--policy=...``). ``--router-arg=FLAG`` (repeatable) passes a
 flag to the router.
 
+With ``--kvshare-anchor-pool PATH`` and several workers, worker i keeps its own file
+``<stem>.w<i><suffix>``; when ``PATH`` exists it is every worker's ``--kvshare-anchor-pool-seed``
+(read only; a worker loads it while it has no file of its own yet).
+
 SIGTERM/SIGINT/SIGHUP stop the router first, then the workers (SIGTERM to each process group, so
 the workers save their anchor pools; SIGKILL after ``--stop-timeout`` s). A worker that dies is
 left to the router (its health checks take it out; restarted on the same port it rejoins); the
@@ -21,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -106,23 +109,24 @@ def router_argv(router_host: str, router_port: int, worker_urls: Sequence[str], 
 
 
 def worker_anchor_pool(path: str, index: int, workers: int) -> str:
-    """Worker ``index``'s own anchor-pool file (one file per writer): ``<stem>.w<i><suffix>``,
-    seeded from ``path`` when it exists and the worker's own file does not (warm start)."""
+    """Worker ``index``'s own anchor-pool file (one file per writer): ``<stem>.w<i><suffix>``."""
     if workers <= 1:
         return path
     p = Path(path)
-    own = p.with_name(f"{p.stem}.w{index}{p.suffix}")
-    if p.exists() and not own.exists():
-        shutil.copyfile(p, own)
-    return str(own)
+    return str(p.with_name(f"{p.stem}.w{index}{p.suffix}"))
 
 
 def worker_argv(rest: Sequence[str], host: str, port: int, index: int, workers: int) -> List[str]:
+    """Worker ``index``'s command. ``--kvshare-anchor-pool PATH`` becomes the worker's own file;
+    when ``PATH`` exists (and no ``--kvshare-anchor-pool-seed`` is given) it is the seed: a worker
+    without its own file yet starts warm from it (read only, checked by the worker)."""
     argv = list(rest)
     pool = flag_value(argv, "--kvshare-anchor-pool")
     if pool:
         own = worker_anchor_pool(pool, index, workers)
         argv = without_flag(argv, "--kvshare-anchor-pool") + ["--kvshare-anchor-pool", own]
+        if own != pool and os.path.exists(pool) and not has_flag(argv, "--kvshare-anchor-pool-seed"):
+            argv += ["--kvshare-anchor-pool-seed", pool]
     return [sys.executable, "-m", "sglang_kvshare.launch_server", *argv, "--host", host, "--port", str(port)]
 
 
@@ -174,6 +178,17 @@ class Launcher:
         self._logs.append(f)
         return f
 
+    def _log_tail(self, name: str, n: int = 5) -> str:
+        """The last ``n`` lines of a child's log (empty without ``--log-dir``: it wrote here)."""
+        if not self.ns.log_dir:
+            return ""
+        try:
+            lines = (Path(self.ns.log_dir) / f"{name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = [l for l in lines if l.strip()][-n:]
+        return "".join(f"\n  {l}" for l in tail)
+
     def _spawn(self, name: str, argv: List[str]) -> subprocess.Popen:
         out = self._out(name)
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -198,7 +213,8 @@ class Launcher:
         while pending:
             for name, proc in self.children:
                 if proc.poll() is not None:
-                    raise SystemExit(f"{PROG}: {name} exited ({proc.returncode}) before it was ready")
+                    raise SystemExit(f"{PROG}: {name} exited ({proc.returncode}) before it was ready"
+                                     f"{self._log_tail(name)}")
             pending = [u for u in pending if not healthy(u)]
             if not pending:
                 return

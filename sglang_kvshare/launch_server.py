@@ -184,11 +184,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"{PROG}: {e}")
     http.install(app, kv_args)
     sglang_argv = with_defaults(rest, cuda)
-    if kv_args.anchor_pool:
+    if kv_args.anchor_pool or kv_args.anchor_pool_seed:
         try:
             model = anchor_file.check_file(kv_args, flag_value(sglang_argv, "--model-path"))
-        except AnchorPoolFileError as e:
-            sys.exit(f"{PROG}: --kvshare-anchor-pool: {e}; the file was left unchanged")
+        except AnchorPoolFileError as e:  # the message starts with the flag
+            sys.exit(f"{PROG}: {e}")
         os.environ[anchor_file.MODEL_ENV] = json.dumps(model)
     print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest):])}", file=sys.stderr, flush=True)
     server_args = prepare_server_args(sglang_argv)

@@ -3,6 +3,9 @@
 - The launcher (main process) checks an existing file before SGLang starts: a corrupt file or
   one written for another model, rank or anchor dtype stops the server with a message naming the
   difference, and the file is left as it is (``check_file``).
+- ``--kvshare-anchor-pool-seed SEED``: another server's file (a new or restarted worker behind a
+  router starts warm from a sibling's pools). It is only read, must exist and pass the same
+  checks, and is loaded when the server's own file does not exist yet (``load_path``).
 - The scheduler loads it when its radix cache is built, saves it every
   ``--kvshare-anchor-pool-interval`` seconds when anchors changed (written on a thread from a
   snapshot: factors are immutable, so the snapshot is a list of references), on request
@@ -48,14 +51,35 @@ def header(args, model: Dict[str, Any]) -> Dict[str, Any]:
 
 def check_file(args, model_path: str) -> Dict[str, Any]:
     """Launcher side: the model identity to hand to the schedulers; raises
-    ``AnchorPoolFileError`` when an existing ``args.anchor_pool`` does not fit this server."""
+    ``AnchorPoolFileError`` (its message starts with the flag) when an existing
+    ``args.anchor_pool`` or the ``args.anchor_pool_seed`` (which must exist) does not fit this
+    server. The seed is checked even when the server's own file will be loaded instead."""
     from sglang_kvshare.correction import store
 
     model = model_identity(model_path)
-    if args.anchor_pool and os.path.exists(args.anchor_pool):
-        payload = store.read(args.anchor_pool)
-        store.check_header(args.anchor_pool, payload["header"], header(args, model))
+    for flag, path, required in (("--kvshare-anchor-pool", args.anchor_pool, False),
+                                 ("--kvshare-anchor-pool-seed", args.anchor_pool_seed, True)):
+        if not path or not (required or os.path.exists(path)):
+            continue
+        if not os.path.exists(path):
+            raise store.AnchorPoolFileError(
+                f"{flag}: {path} does not exist (a seed is only read: give a file that a server saved "
+                f"with --kvshare-anchor-pool, or leave the flag out for a cold start)")
+        try:
+            payload = store.read(path)
+            store.check_header(path, payload["header"], header(args, model))
+        except store.AnchorPoolFileError as e:
+            raise store.AnchorPoolFileError(f"{flag}: {e}; the file was left unchanged") from None
     return model
+
+
+def load_path(args) -> Optional[str]:
+    """The file a server starts from: its own ``--kvshare-anchor-pool`` file once that exists,
+    else the seed (None: a cold start)."""
+    for path in (args.anchor_pool, args.anchor_pool_seed):
+        if path and os.path.exists(path):
+            return path
+    return None
 
 
 class AnchorPoolFile:
@@ -69,20 +93,25 @@ class AnchorPoolFile:
         self.last_save = time.monotonic()
         self.saved_version = None
         self.num_saves = 0
+        self.loaded_from: Optional[str] = None
+        self.num_loaded = 0
         self._thread: Optional[threading.Thread] = None
 
     def header(self) -> Dict[str, Any]:
         return header(self.ctx.args, self.model)
 
     def load(self) -> int:
-        """Load the file's anchors (if it exists); returns how many."""
+        """Load the anchors of ``load_path`` (own file, else seed; if any); returns how many."""
         from sglang_kvshare.correction import store
 
-        if not self.path or not os.path.exists(self.path):
+        path = load_path(self.ctx.args)
+        if path is None:
             return 0
-        n = store.load(self.path, self.header(), self.ctx._correctors, create=self.ctx.corrector)
-        self.saved_version = self.ctx.anchor_version()
-        logger.info("kvshare: loaded %d anchors from %s", n, self.path)
+        n = store.load(path, self.header(), self.ctx._correctors, create=self.ctx.corrector)
+        self.loaded_from, self.num_loaded = path, n
+        # anchors from a seed are not in the own file yet: the first periodic save writes them
+        self.saved_version = self.ctx.anchor_version() if path == self.path else None
+        logger.info("kvshare: loaded %d anchors from %s", n, path)
         return n
 
     def save(self, wait: bool = True) -> bool:

@@ -206,6 +206,7 @@ class Session:
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
             "anchor_pool_saves": self.anchor_file.num_saves,
+            "anchor_pool_loaded": {"path": self.anchor_file.loaded_from, "anchors": self.anchor_file.num_loaded},
         }
 
     def lookup(self, req) -> Optional[ReqShareState]:

@@ -26,8 +26,9 @@ STOCK_CPU_FLAGS = [
 class Server:
     """A server subprocess on 127.0.0.1; ``stop()`` kills its whole process group."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, env: Optional[dict] = None, timeout: float = 300):
-        self.port = free_port()
+    def __init__(self, argv: Sequence[str], log_path: Path, env: Optional[dict] = None, timeout: float = 300,
+                 port: Optional[int] = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         full_env = dict(os.environ)
