@@ -1102,7 +1102,7 @@ def server_groups(args, adapters: Optional[Dict[str, str]] = None) -> List[tuple
     if adapters:
         cut = lora_flags.index("--lora-paths")
         lora_flags = lora_flags[:cut] + ["--lora-paths", *(f"{n}={p}" for n, p in adapters.items())]
-        lora_flags[lora_flags.index("--max-loras-per-batch") + 1] = str(max(4, len(adapters)))
+        lora_flags[lora_flags.index("--max-loras-per-batch") + 1] = str(max(4, len(adapters) + 1))  # + the base model
     plain = [m for m in args.methods if m in PLAIN_LORA_METHODS]
     groups = [("lr-cache", [m for m in args.methods if m not in plain], args.url, lora_flags),
               ("plain-lora", plain, args.plain_lora_url, [a for a in lora_flags if a != "--kvshare-lr-cache"])]

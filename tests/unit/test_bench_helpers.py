@@ -65,7 +65,7 @@ def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server()
     for _, _, _, flags in gen:
         paths = flags[flags.index("--lora-paths") + 1:]
         assert paths == [f"a{i}=/x/a{i}" for i in range(8)]
-        assert flags[flags.index("--max-loras-per-batch") + 1] == "8"
+        assert flags[flags.index("--max-loras-per-batch") + 1] == "9"  # adapters + the base model
     task, final = make_roles(5, "lora-random")
     assert [r.name for r in task] + [final.name] == [r.lora_path for r in task] + [final.lora_path] == [
         "a0", "a1", "a2", "a3", "a4"]
