@@ -106,24 +106,13 @@ def random_adapters(model_path: str, n: int, rank: int, out_dir: Path, seed: int
     """``n`` PEFT LoRA adapters ``a0..`` (q_proj, v_proj, rank ``rank``, alpha 2 x rank) with random
     weights for the model: for timing any number of agents and ranks (their outputs mean
     nothing). Returns name -> directory."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from tests.tiny_model import build_tiny_adapter
 
-    out = {}
-    base = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
-    for i in range(n):
-        torch.manual_seed(seed + i)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_A" in name:
-                    param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]))
-                elif "lora_B" in name:  # small enough that greedy text stays text-like
-                    param.normal_(0.0, 0.02)
-        model.save_pretrained(str(out_dir / f"a{i}"))
-        out[f"a{i}"] = str(out_dir / f"a{i}")
-    return out
+    # B small enough that greedy text stays text-like
+    return {f"a{i}": build_tiny_adapter(model_path, out_dir / f"a{i}", seed + i, rank=rank, b_std=0.02)
+            for i in range(n)}
+
+
 BASELINE = "nonshared"
 FINAL = "final"
 SPECIALTIES = (
@@ -1176,7 +1165,7 @@ def main(argv=None) -> Dict[str, Any]:
     correcting = [m for m in args.methods if get_method(m).corrector is not None]
     total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
     total += args.pre_serve * turns_of(3, 1)
-    parts, servers, info, adapters = [], [], None, None
+    parts, servers, adapters = [], [], None
     t0 = time.time()
     if args.agent_kind == "lora-random":
         from sglang_kvshare.assets import ensure_default_model

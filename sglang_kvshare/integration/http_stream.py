@@ -19,12 +19,13 @@ class ResponseMixin:
         def record(message):
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
-                self._remember(ann, b"".join(chunks), tok)
+                try:
+                    out = json.loads(b"".join(chunks))
+                except ValueError:
+                    return message
+                self._remember(ann, out, tok)
                 if on_done is not None:
-                    try:
-                        on_done(json.loads(b"".join(chunks)))
-                    except ValueError:
-                        pass
+                    on_done(out)
             return message
 
         return ok_body_send(send, record)

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from sglang_kvshare.lora_cache.attention import expand_key_lr, flash_lora_attention
-from sglang_kvshare.rope.align import RopeSpec
+from sglang_kvshare.rope.align import RopeSpec, rotate
 
 
 class KeyLR(NamedTuple):
@@ -141,16 +141,8 @@ def rotate_key_delta(lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int,
                      rope: RopeSpec) -> torch.Tensor:
     """``RoPE(LR_k B_k)`` [T, Hkv, D] float32 for T keys at positions 0 .. T-1 (their indices in
     the request): lr_k [T, r] (scaling folded in), B_k [r, Hkv * D]. Same math as
-    ``lora_cache.expand_key_lr``, with cached trigonometry."""
+    ``lora_cache.expand_key_lr``, with cached trigonometry (``rope.align.rotate``)."""
     T = lr_k.shape[0]
     x = (lr_k.float() @ B_k.float()).view(T, num_kv_heads, -1)
-    rd = rope.rotary_dim
-    cos, sin = _rope_table(rope, T, x.device)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if rope.is_neox:
-        x1, x2 = x[..., : rd // 2], x[..., rd // 2 : rd]
-        rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
-        rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return rot if rd == x.shape[-1] else torch.cat((rot, x[..., rd:]), dim=-1)
+    rot = rotate(x, *_rope_table(rope, T, x.device), rope)
+    return rot if rope.rotary_dim == x.shape[-1] else torch.cat((rot, x[..., rope.rotary_dim :]), dim=-1)

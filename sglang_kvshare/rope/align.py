@@ -79,15 +79,19 @@ def shift_keys(
         d = delta.to(torch.float64).reshape(-1)
     # float64 angles: positions up to 1e5+ times inv_freq lose precision in float32
     ang = (d[:, None] * spec.inv_freq.to(torch.float64)[None, :]).to(k.device)  # [T, rd/2]
-    cos = ang.cos().float()[:, None, :]
-    sin = ang.sin().float()[:, None, :]
-    x = k[..., :rd].float()
+    out = k.clone()
+    out[..., :rd] = rotate(k, ang.cos().float(), ang.sin().float(), spec).to(k.dtype)
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """The rotary part of ``x`` [T, H, D] turned by per-token angles given as ``cos``/``sin``
+    [T, rotary_dim // 2]: [T, H, rotary_dim] float32 (the caller keeps dims past rotary_dim)."""
+    rd = spec.rotary_dim
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x = x[..., :rd].float()
     if spec.is_neox:
         x1, x2 = x[..., : rd // 2], x[..., rd // 2 :]
-        rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    out = k.clone()
-    out[..., :rd] = rot.to(k.dtype)
-    return out
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
