@@ -81,12 +81,13 @@ def flash_lora_attention_sdpa(
     query head (GQA: KV head g's columns of B). With ``key_lr`` an adapted request's keys are
     ``K_base + RoPE(LR_k B_k)``, the delta rotated at each key's index in its request
     (``rotate_key_delta``). Runs in q.dtype."""
-    from torch.nn.functional import scaled_dot_product_attention
+    import torch.nn.functional as F
 
     out = torch.empty_like(q)
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_buf.shape[1]
     G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
     for b in range(qo_indptr.numel() - 1):
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         k0, k1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
@@ -104,11 +105,17 @@ def flash_lora_attention_sdpa(
         if j >= 0:
             lr = lr_buf[slots, j].to(q.dtype)  # [kv, r]
             v = torch.cat([v, lr.unsqueeze(0).expand(Hkv, -1, -1)], dim=-1)
+            # NOTE: SDPA's fused (flash) CPU/CUDA kernels need one head size for q, k and v; with
+            # D + r value channels alone it falls back to the math path, which materialises the
+            # [Hq, q, kv] scores (~360 MB transient and 3-4x the time for a 2K prefill on SmolLM2).
+            # Zero channels on q and k leave the scores unchanged (the scale stays 1/sqrt(D)).
+            pad = (0, v.shape[-1] - D)
+            qi, k = F.pad(qi, pad), F.pad(k, pad)
         mask = None
         if causal and q_len > 1:  # a single query is the last position: it sees every key
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
-        o = scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
             enable_gqa=G > 1,
         ).squeeze(0)  # [Hq, q, D (+ r)]

@@ -212,3 +212,18 @@ def test_rotate_key_delta_equals_expand_key_lr(is_neox, rotary_dim):
         torch.testing.assert_close(got, expand_key_lr(lr_k[:n], B_k, HKV, torch.arange(n), rope),
                                    atol=1e-4, rtol=1e-5)
     assert not torch.allclose(got, (lr_k @ B_k).view(300, HKV, D), atol=1e-2)
+
+
+@PAGED_CASES
+def test_sdpa_serving_path_runs_the_fused_kernel(q_lens, kv_lens, agents):
+    """With SDPA restricted to its fused (flash) kernel the serving path still runs and gives the
+    same output: the LR channels must not push it onto the math path, which materialises the
+    [Hq, q, kv] scores (hundreds of MB per layer at 2K tokens)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args, kw = _batch(q_lens, kv_lens, seed=7)
+    agent = torch.tensor(agents, dtype=torch.int32)
+    ref = fla.flash_lora_attention_reference(*args, agent=agent, **kw)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = fla.flash_lora_attention_sdpa(*args, agent=agent, **kw)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
