@@ -33,6 +33,9 @@ REQUIRED_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         (("self", "meta_info", "state", "customized_info", "index", "finish_reason"), ()),
     "sglang.srt.lora.layers.QKVParallelLinearWithLoRA.apply_lora": (("self", "base_output", "x"), ()),
     "sglang.srt.lora.lora_manager.LoRAManager.fetch_new_loras": (("self", "new_loras", "running_loras"), ()),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager": (("self",), ()),
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size":
+        (("self", "kvc", "num_layers"), ()),
     "sglang.srt.models.llama.LlamaDecoderLayer.forward": (("self", "positions", "hidden_states", "forward_batch"), ()),
 }
 

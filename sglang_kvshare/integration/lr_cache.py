@@ -24,6 +24,13 @@ Two hooks make it happen:
 - ``LoRAManager.fetch_new_loras`` (AROUND): every loaded adapter stays resident in the LoRA
   memory pool, so each has a stable buffer slot = its LR column (PreLRShared writes all of them).
 
+The LR pool is part of SGLang's memory planning: ``ModelRunner.init_lora_manager`` (AROUND)
+records the LoRA manager (it is created before the KV pool is sized), and
+``DefaultPoolConfigurator._compute_cell_size`` (AROUND) adds the LR bytes of every column to
+SGLang's bytes per cached token, so a memory budget (``--mem-fraction-static``) is split between
+the KV and LR pools, and a token cap (``--max-total-tokens``, the CPU default) counts token slots
+that each hold their KV and LR bytes. The LR buffers are allocated with the cache, not on first use.
+
 Adapters the LR cache cannot hold (``lora_cache.targets``: e.g. embed_tokens, fused qkv_proj,
 rank patterns) are refused by the launcher before SGLang starts and again here, naming them.
 """
@@ -49,6 +56,8 @@ logger = logging.getLogger(__name__)
 TARGETS = {
     "qkv_apply_lora": "sglang.srt.lora.layers.QKVParallelLinearWithLoRA.apply_lora",
     "fetch_new_loras": "sglang.srt.lora.lora_manager.LoRAManager.fetch_new_loras",
+    "init_lora_manager": "sglang.srt.model_executor.model_runner.ModelRunner.init_lora_manager",
+    "cell_size": "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
 }
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
@@ -77,6 +86,10 @@ class LRCache:
         self.key_buffers: dict[int, torch.Tensor] = {}  # key LR (pre-RoPE), as ``buffers``
         self.B_k: dict[int, torch.Tensor] = {}  # the k_proj B, as ``B_v``
         self.check_adapters()
+        for layer in self.layer_of.values():  # all at once, as SGLang allocates its KV pool
+            self.buffer(layer, lm.max_lora_rank)
+            if self.key_lr:
+                self.buffer(layer, lm.max_lora_rank, self.key_buffers)
         self.rope = rope_of(model_runner) if self.key_lr else None
         head_dim = self.kv_pool.get_key_buffer(0).shape[-1]
         if self.key_lr and model_runner.device == "cuda" and not (
@@ -133,11 +146,15 @@ class LRCache:
 
     @functools.cached_property
     def bytes_per_token(self) -> dict[str, int]:
-        """Per cached token (fixed once the pools exist): base K+V bytes, and LR bytes of ONE agent's column (all layers)."""
-        kv = kv_bytes_per_token(self.kv_pool)
+        """Per cached token (fixed once the pools exist): base K+V bytes, LR bytes of ONE agent's
+        column (all layers), and the bytes SGLang's pool sizing counted (K+V and every column)."""
         elem = self.kv_pool.get_value_buffer(0).element_size()
-        lr = len(self.layer_of) * self.manager.memory_pool.max_lora_rank * elem * (2 if self.key_lr else 1)
-        return {"kv_bytes_per_token": kv, "lr_bytes_per_token_per_agent": lr}
+        out = {"kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
+               "lr_bytes_per_token_per_agent": lr_bytes_per_token(self.manager, len(self.layer_of), elem, 1)}
+        cell = session().lr_pool_cell_bytes
+        if cell is not None:
+            out["pool_cell_bytes_per_token"] = cell
+        return out
 
     @torch.no_grad()
     def apply_qkv(self, mod, base_output: torch.Tensor, x: torch.Tensor, loc: Optional[torch.Tensor]) -> torch.Tensor:
@@ -191,6 +208,14 @@ class LRCache:
             buf[dst, column] = buf[src, column]
 
 
+def lr_bytes_per_token(manager, num_layers: int, elem_size: int, columns: Optional[int] = None) -> int:
+    """LR bytes one cached token takes in ``columns`` LR columns (default: all the LoRA memory
+    pool's slots), all layers: value LR, and key LR too when an adapter adapts k_proj."""
+    key = any(adapts_keys(lora.config.hf_config) for lora in manager.loras.values())
+    columns = manager.max_loras_per_batch if columns is None else columns
+    return num_layers * columns * manager.max_lora_rank * elem_size * (2 if key else 1)
+
+
 def paged_indices(req_to_token, req_pool_indices, seq_lens, q_lens: list[int]):
     """(kv_indices, qo_indptr, kv_indptr) of a batch, the layout of
     ``kernels.flash_lora_attention``, from SGLang's request-to-token table."""
@@ -223,6 +248,26 @@ def _fetch_new_loras(original, manager, new_loras, running_loras=set()):
     return original(manager, new_loras, running_loras)
 
 
+def _init_lora_manager(original, runner, *args, **kwargs):
+    out = original(runner, *args, **kwargs)
+    ses = session()
+    if ses.args.lr_cache:
+        ses.lora_manager = runner.lora_manager
+    return out
+
+
+def _compute_cell_size(original, configurator, kvc, num_layers, *args, **kwargs):
+    cell = original(configurator, kvc, num_layers, *args, **kwargs)
+    ses = session()
+    manager = ses.lora_manager
+    if ses.args.lr_cache and manager is not None and cell:
+        cell += lr_bytes_per_token(manager, num_layers, torch._utils._element_size(kvc.kv_cache_dtype))
+        ses.lr_pool_cell_bytes = cell
+    return cell
+
+
 def register_lr_hooks() -> None:
     HookRegistry.register(TARGETS["qkv_apply_lora"], _qkv_apply_lora, HookType.AROUND)
     HookRegistry.register(TARGETS["fetch_new_loras"], _fetch_new_loras, HookType.AROUND)
+    HookRegistry.register(TARGETS["init_lora_manager"], _init_lora_manager, HookType.AROUND)
+    HookRegistry.register(TARGETS["cell_size"], _compute_cell_size, HookType.AROUND)

@@ -92,6 +92,8 @@ class Session:
     def __init__(self, args: KVShareArgs):
         self.args = args
         self.lr = None  # the LR cache (``--kvshare-lr-cache``), created by the attention backend
+        self.lora_manager = None  # with the LR cache: SGLang's LoRA manager, before the KV pool is sized
+        self.lr_pool_cell_bytes: Optional[int] = None  # SGLang's bytes per cached token, KV + LR
         self.hidden = HiddenStore()  # selective recomputation's stored hidden states
         self.profiles: dict[tuple[str, int], Any] = {}  # DroidSpeak profiles by (path, layers)
         self.runner = None  # the model runner whose attention backend is kvshare_torch

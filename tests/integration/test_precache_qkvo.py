@@ -52,7 +52,9 @@ def test_qkvo_nonshared_matches_stock_lora(qkvo_servers, tiny_model):
         out = ask(ours, f"qkvo-{agent}", "nonshared", 3, agent=agent, max_new_tokens=12)
         assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
         # value and key columns: 2 x layers x rank x float32
-        assert out["meta_info"]["kvshare"]["lr_bytes_per_token_per_agent"] == 2 * 2 * RANK * 4
+        kv = out["meta_info"]["kvshare"]
+        assert kv["lr_bytes_per_token_per_agent"] == 2 * 2 * RANK * 4
+        assert kv["pool_cell_bytes_per_token"] == kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"]
     assert stock_generate(stock, ids, "planner-nok", 12) != stock_generate(stock, ids, "planner", 12)
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda a: ask(ours, f"qkvo-mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS))
