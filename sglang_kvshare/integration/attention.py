@@ -3,7 +3,8 @@
 The stock torch-native extend pads each request's queries to its whole sequence, so an extend of
 a few tokens after a long (cached or injected) prefix costs as much as attending the whole
 sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
-causal mask shifted by the prefix length. Decode and every other case stay stock.
+causal mask shifted by the prefix length. Decode attends each request's long runs of KV slots in
+place instead of gathering them every layer (``kernels.split_decode``); every other case stays stock.
 
 During selective recomputation (``recompute_forward``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
@@ -26,6 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang_kvshare.integration.lr_cache import paged_indices
 from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
+from sglang_kvshare.kernels.split_decode import slot_runs, split_decode_attention
 
 BACKEND_NAME = "kvshare_torch"
 
@@ -133,6 +135,41 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             key_lr=self.lr.key_lr_of(layer.layer_id),
         )
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _run_sdpa_forward_decode(
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
+        if (encoder_lens is not None or causal or is_cross_attn or query.device.type != "cpu"
+                or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype
+                or (sliding_window_size is not None and sliding_window_size > -1)):
+            return super()._run_sdpa_forward_decode(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )
+        # query/output: [bs, H, D]; the slot runs are the same in every layer of the forward
+        fwd = session().forward
+        runs = fwd.decode_runs if fwd is not None and fwd.batch.seq_lens is seq_lens else None
+        if runs is None:
+            runs = [slot_runs(req_to_token[req_pool_indices[i], : int(n)]) for i, n in enumerate(seq_lens.tolist())]
+            if fwd is not None and fwd.batch.seq_lens is seq_lens:
+                fwd.decode_runs = runs
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        for i, parts in enumerate(runs):
+            output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
+        return output
 
     def _run_sdpa_forward_extend(
         self,

@@ -33,13 +33,16 @@ class ForwardState:
     - ``lr_columns``: with the LR cache, the LR column of each request of the batch (-1: the base
       model), which the LoRA hook writes and the attention reads with;
     - ``paged``: the batch's paged KV indices (``lr_cache.paged_indices``), built by the first
-      LR attention layer and shared by all the others."""
+      LR attention layer and shared by all the others;
+    - ``decode_runs``: in a decode, each request's KV slots as runs (``kernels.split_decode``),
+      built by the first attention layer and shared by all the others."""
 
     batch: Any  # the ForwardBatch
     plan: Any = _UNSET
     running: Optional[tuple] = None
     lr_columns: Any = None  # [bs] int64 tensor
     paged: Optional[tuple] = None  # (kv_indices, qo_indptr, kv_indptr)
+    decode_runs: Optional[list] = None  # [bs] SlotRuns
 
     @property
     def planned(self) -> bool:
