@@ -42,10 +42,11 @@ REQUIRED_PARAMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 def hooked_targets() -> list[str]:
     """Every target a module of ``integration/`` registers a hook on."""
-    from sglang_kvshare.integration import double_batch, lr_cache, meta, recompute_forward, scheduler_hooks
+    from sglang_kvshare.integration import (double_batch, lr_cache, meta, own_lr, recompute_forward,
+                                            scheduler_hooks)
 
     targets = {meta.TARGET}
-    for module in (scheduler_hooks, lr_cache, double_batch, recompute_forward):
+    for module in (scheduler_hooks, lr_cache, double_batch, own_lr, recompute_forward):
         targets.update(module.TARGETS.values())
     return sorted(targets)
 

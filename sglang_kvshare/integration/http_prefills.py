@@ -97,14 +97,17 @@ class PrefillMixin:
         payload["sampling_params"]["custom_params"]["kvshare"] = wire.dumps()
 
     async def rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> int:
-        """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens."""
+        """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens. It names
+        the adapted turn (``rebuild_of``), so the scheduler puts that turn's own LR column, kept
+        from its adapted hidden states, onto the rebuilt rows."""
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         # the tokens the adapted path fed: its prompt and every output token but the last (never
         # an input), the span the double-batched twin of rebase_shared_db rebuilds too
         tokens = list(payload["input_ids"]) + list(out.get("output_ids") or [])[:-1]
         wire = WireSpec(workflow=ann.workflow, agent=ann.agent, method=ann.method,
-                        spans=(Span(0, len(tokens)),))
+                        spans=(Span(0, len(tokens)),),
+                        rebuild_of=str((out.get("meta_info") or {}).get("id") or ""))
         obj = GenerateReqInput(
             input_ids=tokens,
             sampling_params={"max_new_tokens": 1, "temperature": 0,

@@ -207,6 +207,22 @@ class LRCache:
         for buf in self.all_buffers():
             buf[dst, column] = buf[src, column]
 
+    @torch.no_grad()
+    def dump_rows(self, slots: torch.Tensor) -> dict:
+        """The LR rows of ``slots`` [n] for a debug dump: ``lr_v`` (and ``lr_k`` when a key LR
+        is kept) [layers, n, n_slots, max_r] float32 (layers in order), ``lr_columns``
+        {adapter name: column}."""
+        out = {}
+        for name, pools in (("lr_v", self.buffers), ("lr_k", self.key_buffers)):
+            if pools:
+                out[name] = torch.stack([pools[layer][slots].float().cpu() for layer in sorted(pools)])
+        refs = self.manager.lora_refs
+        out["lr_columns"] = {
+            str(getattr(refs.get(uid), "lora_name", None) or uid): col
+            for uid, col in self.manager.memory_pool.uid_to_buffer_id.items() if uid is not None
+        }
+        return out
+
 
 def lr_bytes_per_token(manager, num_layers: int, elem_size: int, columns: Optional[int] = None) -> int:
     """LR bytes one cached token takes in ``columns`` LR columns (default: all the LoRA memory

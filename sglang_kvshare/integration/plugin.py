@@ -3,7 +3,7 @@
 SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It registers the
 ``kvshare`` radix-cache backend, the ``kvshare_torch`` attention backend and the HookRegistry
 hooks (scheduler side: segment-wise prefill, the LR cache's LoRA hooks, ReBaseShared's double
-batching and the decoder-layer hook of selective recomputation; tokenizer side: the
+batching, its own-LR-column copies and the decoder-layer hook of selective recomputation; tokenizer side: the
 ``meta_info.kvshare`` record).
 
 The registration is the plugin's only module-level state: whether it is loaded, the process's
@@ -50,6 +50,7 @@ def load() -> None:
     from sglang_kvshare.integration.double_batch import register_double_batch_hooks
     from sglang_kvshare.integration.lr_cache import register_lr_hooks
     from sglang_kvshare.integration.meta import register_tokenizer_hooks
+    from sglang_kvshare.integration.own_lr import register_own_lr_hooks
     from sglang_kvshare.integration.recompute_forward import register_recompute_hooks
     from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
     from sglang_kvshare.integration.tree import register_tree
@@ -65,6 +66,7 @@ def load() -> None:
     register_scheduler_hooks()
     register_lr_hooks()
     register_double_batch_hooks()
+    register_own_lr_hooks()
     register_recompute_hooks()
     register_tokenizer_hooks()
     _REGISTRATION["loaded"] = True

@@ -58,6 +58,8 @@ class TwinPairs:
         self._primary: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # twin -> adapted req
         self._twin: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # adapted req -> ref(twin)
         self._held: weakref.WeakSet = weakref.WeakSet()
+        # either request -> [lo, hi): the positions it computed itself (``wrote``)
+        self._own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def pair(self, primary, twin) -> None:
         self._primary[twin] = primary
@@ -84,12 +86,23 @@ class TwinPairs:
     def held(self, primary) -> bool:
         return primary in self._held
 
+    def wrote(self, req, lo: int, hi: int) -> None:
+        """A forward wrote ``req``'s KV at positions ``[lo, hi)``: its computed span grows, or
+        starts again when ``lo`` does not continue it (the first forward, a retracted request)."""
+        own = self._own.get(req)
+        self._own[req] = (own[0], hi) if own is not None and own[1] == lo else (lo, hi)
+
+    def own(self, req) -> Optional[tuple[int, int]]:
+        """Positions ``[lo, hi)`` ``req`` computed itself (None: none yet)."""
+        return self._own.get(req)
+
 
 class Session:
     """Everything the plugin keeps in one scheduler process: the configuration, the source
     registry and the per-request states, the correctors and their gate controllers, the LR
     cache, the stored hidden states and DroidSpeak profiles, and the state of the forward now
-    running (``ForwardState``), the scheduling pass's cut and ReBaseShared DB's twins. Created
+    running (``ForwardState``), the scheduling pass's cut, ReBaseShared DB's twins and LP's kept
+    own LR columns. Created
     once per process (``plugin.session()``)."""
 
     def __init__(self, args: KVShareArgs):
@@ -103,6 +116,10 @@ class Session:
         self.forward: Optional[ForwardState] = None  # the forward now running
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
+        # ReBaseShared LP: adapted request id -> its own LR column (``OwnLRColumn``), kept for
+        # its rebuild (``own_lr``), dropped when the rebuild is released; at most
+        # ``--kvshare-max-workflows`` (oldest dropped first)
+        self.own_columns: FIFOCache = FIFOCache(args.max_workflows)
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}

@@ -82,7 +82,8 @@ class LR(Family):
             # one tree for all adapters: SGLang appended the adapter id to the namespace
             req.extra_key = req.extra_key[: -len(req.lora_id)]
         if st.method.lr_sharing in ("rebase_lp", "rebase_db") and req.lora_id:
-            # its KV comes from adapted hidden states: the adapter-free rebuild caches the turn
+            # its base KV comes from adapted hidden states: the adapter-free rebuild caches the
+            # turn (with this request's own LR column, ``own_lr``)
             req.skip_radix_cache_insert = True
 
     def release(self, ctx, tree, req, st, owned: int) -> None:

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sglang_kvshare.integration.kv_io import stack_kv
+from sglang_kvshare.integration.own_lr import drop_kept, keep_for_rebuild
 from sglang_kvshare.integration.plugin import session
 from sglang_kvshare.integration.sharing import family_of
 from sglang_kvshare.segments.sources import SourceRecord
@@ -79,8 +80,13 @@ class KVShareRadixCache(RadixCache):
         st = ctx.forget(req)
         if st is None:
             return
-        finished = checkpointed and req.finished() and req.finished_reason is not None
-        if not finished or type(req.finished_reason).__name__ == "FINISH_ABORT":
+        done = req.finished() and req.finished_reason is not None
+        aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
+        if done:
+            drop_kept(st)  # a finished ReBaseShared LP rebuild: its kept column was put
+        if done and not aborted and not checkpointed:
+            keep_for_rebuild(self, req, st)  # ReBaseShared LP: the adapted turn's own LR column
+        if not (done and checkpointed) or aborted:
             st.refresh_meta()
             return
         spec = st.spec
@@ -96,20 +102,23 @@ class KVShareRadixCache(RadixCache):
 
     @torch.no_grad()
     def _dump(self, req, st, owned: int, root: str) -> None:
-        """Write each cached shared span's K/V ([layers, n, kv_heads, head_dim] float32)."""
+        """Write each cached shared span's K/V ([layers, n, kv_heads, head_dim] float32); with
+        the LR cache also its LR columns: ``lr_v`` (and ``lr_k`` with a key LR cache)
+        [layers, n, columns, r_max] float32, and ``lr_columns`` {adapter name: column}."""
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         spans = _cached_slots(req, st, owned)
         out_dir = Path(root) / _safe(st.spec.workflow) / _safe(st.spec.agent)
         out_dir.mkdir(parents=True, exist_ok=True)
+        lr = session().lr
         for slot, start, end in spans:
             idx = row[start:end].to(torch.int64)
             k, v = (t.float() for t in stack_kv(pool, idx, dim=0))
-            torch.save(
-                {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
-                 "meta": dict(st.meta)},
-                out_dir / f"{_safe(slot)}.pt",
-            )
+            record = {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
+                      "meta": dict(st.meta)}
+            if lr is not None:
+                record.update(lr.dump_rows(idx))
+            torch.save(record, out_dir / f"{_safe(slot)}.pt")
 
 
 def _cached_slots(req, st, owned: int) -> list[tuple[str, int, int]]:

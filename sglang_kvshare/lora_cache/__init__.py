@@ -3,7 +3,8 @@
 See ``base`` for the decomposition and layouts, ``attention`` for the Flash-LoRA-Attention
 reference and ``sglang_kvshare/kernels/flash_lora_attention.py`` for the Triton kernel. The LR
 pool itself is the engine's (``integration/lr_cache.py``); ``tests/lr_cache_sim.py`` simulates it
-and what ``prelr_shared`` / ``rebase_shared`` write.
+and what ``prelr_shared`` / ``rebase_shared`` write; ``own_column`` keeps ReBaseShared's
+current agent's own LR column from its adapted hidden states.
 """
 
 from sglang_kvshare.lora_cache.attention import (
@@ -15,11 +16,13 @@ from sglang_kvshare.lora_cache.attention import (
 )
 from sglang_kvshare.lora_cache.base import AttentionSpan, LoRAProjection
 from sglang_kvshare.lora_cache.lr import lr_values, stack_adapters
+from sglang_kvshare.lora_cache.own_column import OwnLRColumn, own_span
 from sglang_kvshare.lora_cache.peft_io import load_peft_adapter
 
 __all__ = [
     "AttentionSpan",
     "LoRAProjection",
+    "OwnLRColumn",
     "attention_probs",
     "expand_key_lr",
     "flash_lora_attention",
@@ -27,5 +30,6 @@ __all__ = [
     "load_peft_adapter",
     "lora_attention_naive",
     "lr_values",
+    "own_span",
     "stack_adapters",
 ]

@@ -22,7 +22,9 @@ class MethodSpec:
         still computes shared context it has not processed itself (its own X.A); ``prelr``: every
         computed token's LR is written for all adapters, so only new tokens are computed;
         ``rebase_lp``: as prelr, but the cache of an adapted turn is rebuilt from adapter-free
-        hidden states by one base-model prefill of its new tokens after the turn (lazy prefill);
+        hidden states by one base-model prefill of its new tokens after the turn (lazy prefill):
+        base K/V and the other adapters' LR columns from those states, the turn's own adapter's
+        column kept from its adapted states;
         ``rebase_db``: the same cache, built by an adapter-free twin request that runs in the same
         continuous batches as the adapted turn, forced to its tokens (double batching).
     """

@@ -201,6 +201,9 @@ class WireSpec:
     # (charged to it, it reads their cache) and how long it waited
     rebuild_tokens: int = 0
     rebuild_wait_ms: float = 0.0
+    # ReBaseShared LP: on the adapter-free rebuild, the request id of the adapted turn it rebuilds
+    # (whose own LR column the scheduler kept for it)
+    rebuild_of: str = ""
 
     @property
     def namespace(self) -> str:

@@ -6,10 +6,12 @@ import torch
 from sglang_kvshare.lora_cache import (
     AttentionSpan,
     LoRAProjection,
+    OwnLRColumn,
     flash_lora_attention,
     flash_lora_attention_qkvo,
     lora_attention_naive,
     lr_values,
+    own_span,
     stack_adapters,
 )
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
@@ -226,3 +228,54 @@ def test_schedules():
     assert lp_post.columns == (0, 2)
     lp.write(0, slots, lp_post.lr, columns=lp_post.columns)
     torch.testing.assert_close(lp.buffer(0), db.buffer(0))
+
+
+def test_own_column_puts_the_adapted_column_over_the_neutral_pass():
+    """The engine's ReBaseShared: the adapter-free pass writes every column from x_neut, then
+    agent j's column is put from the adapted pass's rows (``OwnLRColumn``): the pool ends as the
+    paper's ``rebase_shared`` write, value and key buffers alike, other columns untouched."""
+    T, j = 6, 1
+    g = _gen(13)
+    x_adpt, x_neut = torch.randn(T, HIDDEN, generator=g), torch.randn(T, HIDDEN, generator=g)
+    ads = [_adapter(KV_DIM, 8, seed=50 + i) for i in range(3)]
+    A_all, _, s = stack_adapters(ads)
+    want = rebase_shared(x_adpt, x_neut, A_all, s, current_agent=j).lr  # [T, 3, 8]
+    tokens = list(range(100, 100 + T))
+    start = 4  # positions 4..9: the turn's computed rows
+    bufs = [torch.zeros(32, 3, 8) for _ in range(4)]  # value and key LR of two layers
+    adapted = torch.tensor([20, 21, 22, 23, 24, 25])  # the adapted turn's rows (freed later)
+    rebuilt = torch.tensor([3, 7, 8, 12, 13, 30])  # the adapter-free pass's rows
+    for b in bufs:
+        b[adapted] = lr_values(x_adpt, A_all, s)
+        b[rebuilt] = lr_values(x_neut, A_all, s)
+    kept = OwnLRColumn.take(bufs, adapted, j, start, tokens)
+    assert kept.nbytes() == 4 * T * 8 * 4 and kept.end == start + T
+    for b in bufs:
+        b[adapted] = -1.0  # the slots are reused: the kept copy does not change
+    assert kept.put(bufs, rebuilt, start, tokens) == T
+    for b in bufs:
+        torch.testing.assert_close(b[rebuilt], want)
+
+
+def test_own_column_put_only_where_positions_and_tokens_match():
+    bufs = [torch.zeros(16, 2, 4)]
+    src = torch.arange(4)  # positions 10..13
+    bufs[0][src, 1] = torch.arange(1.0, 5.0)[:, None]
+    kept = OwnLRColumn.take(bufs, src, 1, 10, [5, 6, 7, 8])
+    # a later chunk of the rebuild: positions 12..15, only 12 and 13 were the turn's
+    assert kept.put(bufs, torch.tensor([8, 9, 10, 11]), 12, [7, 8, 9, 9]) == 2
+    assert bufs[0][8:12, 1, 0].tolist() == [3.0, 4.0, 0.0, 0.0]
+    assert bufs[0][8:12, 0].abs().sum() == 0  # other columns untouched
+    # a token differs at position 11: nothing from there on
+    assert kept.put(bufs, torch.tensor([12, 13, 14]), 10, [5, 0, 7]) == 1
+    assert bufs[0][12:15, 1, 0].tolist() == [1.0, 0.0, 0.0]
+    assert kept.put(bufs, torch.tensor([15]), 3, [1]) == 0  # before the turn's rows
+    with pytest.raises(ValueError):
+        kept.put(bufs, torch.tensor([1, 2]), 10, [5])
+
+
+def test_own_span():
+    assert own_span((4, 20), (6, 18)) == (6, 18)  # the twin hit 2 more cached tokens
+    assert own_span((4, 20), (6, 18), since=17) == (17, 18)  # only what the forward added
+    assert own_span((0, 10), (10, 12)) is None
+    assert own_span((0, 5), (0, 5), since=5) is None
