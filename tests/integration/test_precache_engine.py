@@ -7,6 +7,7 @@ so every prompt extends the previous one) on the tiny model with three random q/
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from tests.integration.server import kvshare_server, running, stock_server
 from tests.tiny_model import build_tiny_adapter
@@ -26,9 +27,11 @@ def lr_servers(tmp_path_factory, tiny_model):
              "--max-loras-per-batch", "4"]
     with running(
         # priority scheduling: rebase_shared_lp queues its rebuild at the lowest priority
-        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache", "--enable-priority-scheduling"),
+        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache", "--enable-priority-scheduling",
+                               "--kvshare-dump-dir", str(d / "dumps")),
         lambda: stock_server(tiny_model, d / "stock.log", *flags, plugin=True),
     ) as (ours, stock):
+        ours.dump_dir = d / "dumps"
         yield ours, stock
 
 
@@ -178,6 +181,78 @@ def test_rebase_db_and_lp_leave_identical_caches(lr_servers):
         assert top_db.keys() == top_lp.keys(), t
         assert all(abs(top_db[k] - top_lp[k]) < 1e-4 for k in top_lp), t
     assert db[3]["meta_info"]["kvshare"]["computed_tokens"] < db[3]["meta_info"]["kvshare"]["prompt_tokens"] / 4
+
+
+def _top_logprobs(out) -> dict:
+    return {tok: p for p, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+@pytest.fixture(scope="module")
+def own_column_refs(lr_servers):
+    """References for agent j = planner's turn over ``turn_segments(1)``: its adapted prefill's
+    LR rows (every column from X_j,adpt) and the base model's (every column and the base K/V from
+    X_neut), as dumped K/V + LR of slot turn0; and PreLRShared workflows whose first turn ran
+    without an adapter (the cache the adapter-free rebuild alone leaves), read by agent k = actor
+    and by agent j."""
+    ours, _ = lr_servers
+    ask(ours, "own-ref-adapted", "nonshared", 1, agent="planner")
+    ask(ours, "own-ref-neutral", "nonshared", 1, agent="planner", lora=False)
+    dumps = {name: torch.load(ours.dump_dir / f"own-ref-{name}" / "planner" / "turn0.pt")
+             for name in ("adapted", "neutral")}
+    later = {}
+    for reader in ("actor", "planner"):
+        ask(ours, f"own-ref-{reader}", "prelr_shared", 1, agent="planner", lora=False)
+        later[reader] = ask(ours, f"own-ref-{reader}", "prelr_shared", 2, agent=reader,
+                            return_logprob=True, top_logprobs_num=5)
+    return dumps, later
+
+
+@pytest.mark.parametrize("method", ["rebase_shared_db", "rebase_shared_lp"])
+def test_rebase_keeps_the_agents_own_lr_column(lr_servers, own_column_refs, method):
+    """ReBaseShared as the paper defines it: after agent j's adapted turn the shared context holds
+    the neutral base K/V and every other agent's LR column from adapter-free hidden states, and j's
+    own LR column from j's adapted states (X_j,adpt A_j, as an adapted prefill writes it). Read
+    back from the tree by a later base-model request's dump. Then agent k's later turn is exactly
+    the adapter-free rebuild's (k reads no column of j), while agent j's later turn is not: j
+    reads its own column, which the adapter-free pass alone would have rebuilt from X_neut."""
+    ours, _ = lr_servers
+    (refs, later), wf = own_column_refs, f"own-{method}"
+    j, others = "planner", ("actor", "reflector")
+    ask(ours, wf, method, 1, agent=j)  # j's adapted turn: turn0 is among its new tokens
+    reader = ask(ours, wf, method, 2, agent="reflector", lora=False)  # inserted, dumped
+    got = torch.load(ours.dump_dir / wf / "reflector" / "turn0.pt")
+    adapted, neutral = refs["adapted"], refs["neutral"]
+    assert got["token_ids"] == adapted["token_ids"] == neutral["token_ids"] and got["start"] == adapted["start"]
+    assert reader["meta_info"]["kvshare"]["cached_tokens"] >= got["start"] + len(got["token_ids"])
+    cols = got["lr_columns"]
+    assert cols == adapted["lr_columns"] and set(cols) == {j, *others}
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    assert close(got["k"], neutral["k"]) and close(got["v"], neutral["v"])  # the neutral base cache
+    for k in others:  # the other agents' columns: from X_neut
+        assert close(got["lr_v"][:, :, cols[k]], neutral["lr_v"][:, :, cols[k]]), k
+    own = got["lr_v"][:, :, cols[j]]
+    # negative control: column j from X_neut (the adapter-free pass alone) is far from X_j,adpt A_j
+    assert (adapted["lr_v"][:, :, cols[j]] - neutral["lr_v"][:, :, cols[j]]).abs().max() > 1e-2
+    assert not close(own, neutral["lr_v"][:, :, cols[j]])
+    assert close(own, adapted["lr_v"][:, :, cols[j]])  # j's own column: from X_j,adpt
+
+    # later turns over that cache (each in a workflow of its own: j's turn, then the reader)
+    for reader_agent in ("actor", "planner"):
+        w = f"{wf}-{reader_agent}"
+        ask(ours, w, method, 1, agent=j)
+        out = ask(ours, w, method, 2, agent=reader_agent, return_logprob=True, top_logprobs_num=5)
+        ref = later[reader_agent]
+        m, m_ref = out["meta_info"]["kvshare"], ref["meta_info"]["kvshare"]
+        assert m["cached_tokens"] == m_ref["cached_tokens"], reader_agent
+        top, top_ref = _top_logprobs(out), _top_logprobs(ref)
+        gap = max(abs(top[t] - top_ref[t]) for t in top_ref) if top.keys() == top_ref.keys() else float("inf")
+        if reader_agent == "actor":  # k: unchanged, the adapter-free rebuild's cache
+            assert out["output_ids"] == ref["output_ids"] and gap < 1e-4, gap
+        else:  # j: its own column differs from the adapter-free one (the negative control)
+            assert gap > 1e-3, gap
 
 
 def test_rebase_db_in_a_concurrent_batch_and_streamed(lr_servers, tiny_model):
