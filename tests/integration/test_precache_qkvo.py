@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.integration.server import kvshare_server, running, stock_server
 from tests.integration.test_precache_engine import AGENTS, ask, stock_generate, stock_ids
@@ -33,10 +34,11 @@ def qkvo_servers(tmp_path_factory, tiny_model):
     common = ["--enable-lora", "--lora-backend", "torch_native", "--lora-paths"]
     with running(
         lambda: kvshare_server(tiny_model, d / "ours.log", *common, *paths, "--max-loras-per-batch", "4",
-                               "--kvshare-lr-cache"),
+                               "--kvshare-lr-cache", "--kvshare-dump-dir", str(d / "dumps")),
         lambda: stock_server(tiny_model, d / "stock.log", *common, *paths, no_k, "--max-loras-per-batch", "5",
                              plugin=True),
     ) as (ours, stock):
+        ours.dump_dir = d / "dumps"
         yield ours, stock
 
 
@@ -61,6 +63,35 @@ def test_qkvo_nonshared_matches_stock_lora(qkvo_servers, tiny_model):
     ids = stock_ids(tok, 4)
     for agent, out in zip(AGENTS, outs):
         assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
+
+
+@pytest.mark.parametrize("method", ["rebase_shared_db", "rebase_shared_lp"])
+def test_rebase_keeps_the_agents_own_key_and_value_columns(qkvo_servers, method):
+    """QKVO under ReBaseShared: agent j's own key AND value LR columns of its turn's tokens come
+    from its adapted states (as an adapted prefill writes them), every other agent's from the
+    adapter-free states (as a base-model prefill writes them); read back from the tree by a later
+    base-model request's dump. The two references differ in column j (so a column j rebuilt from
+    adapter-free states fails)."""
+    ours, _ = qkvo_servers
+    wf, j = f"qkvo-own-{method}", "planner"
+    ask(ours, wf, method, 1, agent=j)
+    ask(ours, wf, method, 2, agent="reflector", lora=False)
+    got = torch.load(ours.dump_dir / wf / "reflector" / "turn0.pt")
+    refs = {}
+    for name, lora in (("adapted", True), ("neutral", False)):
+        ask(ours, f"{wf}-{name}", "nonshared", 1, agent=j, lora=lora)
+        refs[name] = torch.load(ours.dump_dir / f"{wf}-{name}" / j / "turn0.pt")
+    cols = got["lr_columns"]
+    assert set(cols) == set(AGENTS) and got["token_ids"] == refs["adapted"]["token_ids"]
+
+    def close(a, b):
+        return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    for kind in ("lr_k", "lr_v"):
+        for agent, c in cols.items():
+            want = refs["adapted" if agent == j else "neutral"][kind][:, :, c]
+            assert close(got[kind][:, :, c], want), (kind, agent)
+        assert not close(refs["adapted"][kind][:, :, cols[j]], refs["neutral"][kind][:, :, cols[j]]), kind
 
 
 def test_prelr_reusing_its_own_context_is_exact(qkvo_servers, tiny_model):
