@@ -89,8 +89,7 @@ class KVShareArgs:
         "kvshare_torch attention backend); required by baseshared, prelr_shared, rebase_shared_lp, rebase_shared_db",
     )
     max_workflows: int = _flag(
-        4096, "workflows whose source records are remembered (oldest forgotten first); also the most "
-        "rebase_shared_lp turns whose own LR column waits for their rebuild"
+        4096, "workflows whose source records are remembered (oldest forgotten first)"
     )
 
     def __post_init__(self) -> None:

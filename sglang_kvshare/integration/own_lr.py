@@ -13,9 +13,10 @@ cached prefix) carry an adapted column j; rows the tree already held are never t
   has freed its KV keep the neutral column: it cannot happen while both run in the same batches).
 - LP: when a finished adapted turn is released (its slots freed, not yet reused: the tree's
   ``on_release``), column j of its computed rows is kept (``Session.own_columns``, by request id,
-  at most ``--kvshare-max-workflows``); the rebuild names that request (``WireSpec.rebuild_of``)
+  bounded in bytes); the rebuild names that request (``WireSpec.rebuild_of``)
   and, after each forward that writes its rows, the kept column is put onto them (same positions,
-  same tokens); the kept column is dropped when the rebuild is released.
+  same tokens); the kept column is dropped when the rebuild finishes (one never claimed, when
+  newer ones need its room).
 
 Hooked target (AROUND): ``TpModelWorker.forward_batch_generation`` (after the forward wrote the
 batch's K/V and LR rows).
@@ -78,7 +79,11 @@ def keep_own_columns(batch) -> None:
         st = ctx.lookup(req)
         kept = ctx.own_columns.get(st.spec.rebuild_of) if st is not None and st.spec.rebuild_of else None
         if kept is not None:
-            kept.put(lr.all_buffers(), _rows(req_to_token, req, lo, hi), lo, req.origin_input_ids[lo:hi])
+            try:
+                kept.put(lr.all_buffers(), _rows(req_to_token, req, lo, hi), lo, req.origin_input_ids[lo:hi])
+            except ValueError as e:  # the LR buffers were re-made (an adapter of a larger rank)
+                logger.warning("rebase_shared_lp: own LR column of %s not put: %s", st.spec.rebuild_of, e)
+                ctx.own_columns.pop(st.spec.rebuild_of, None)
     for (primary, twin), since in pairs.values():
         if primary.lora_id is None or not (primary.kv.holds_kv and twin.kv.holds_kv):
             continue
@@ -103,9 +108,12 @@ def keep_for_rebuild(tree, req, st) -> None:
         return
     row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     tokens = (list(req.origin_input_ids) + list(req.output_ids))[lo:hi]
-    ctx.own_columns[req.rid] = OwnLRColumn.take(
-        lr.all_buffers(), row[lo:hi].to(torch.int64), lr.column_of(req.lora_id), lo, tokens
-    )
+    kept = OwnLRColumn.take(lr.all_buffers(), row[lo:hi].to(torch.int64), lr.column_of(req.lora_id), lo, tokens)
+    try:
+        ctx.own_columns[req.rid] = kept
+    except ValueError:  # larger than the whole bound
+        logger.warning("rebase_shared_lp: the own LR column of %s (%d bytes) is not kept; its rebuild "
+                       "writes that column from adapter-free states", req.rid, kept.nbytes())
 
 
 def drop_kept(st) -> None:

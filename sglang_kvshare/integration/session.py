@@ -116,10 +116,7 @@ class Session:
         self.forward: Optional[ForwardState] = None  # the forward now running
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
-        # ReBaseShared LP: adapted request id -> its own LR column (``OwnLRColumn``), kept for
-        # its rebuild (``own_lr``), dropped when the rebuild is released; at most
-        # ``--kvshare-max-workflows`` (oldest dropped first)
-        self.own_columns: FIFOCache = FIFOCache(args.max_workflows)
+        self._own_columns: Optional[FIFOCache] = None
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}
@@ -135,6 +132,19 @@ class Session:
         self.rope = None  # the model's RopeSpec, set at the first injection
         # baseshared: (workflow, agent) -> token ids the agent has processed itself
         self.processed: FIFOCache = FIFOCache(16 * args.max_workflows)
+
+    @property
+    def own_columns(self) -> FIFOCache:
+        """ReBaseShared LP: adapted request id -> its own LR column (``OwnLRColumn``), kept for
+        its rebuild (``own_lr``) and dropped when the rebuild is released. Bounded in bytes by
+        one LR column of every KV slot (oldest dropped first); created with the LR cache."""
+        if self._own_columns is None:
+            budget = 1
+            if self.lr is not None:
+                rows = self.lr.kv_pool.get_value_buffer(0).shape[0]
+                budget = rows * self.lr.bytes_per_token["lr_bytes_per_token_per_agent"]
+            self._own_columns = FIFOCache(maxsize=budget, getsizeof=lambda kept: kept.nbytes())
+        return self._own_columns
 
     def remember_processed(self, workflow: str, agent: str, tokens: tuple[int, ...]) -> None:
         self.processed[(workflow, agent)] = tokens

@@ -68,10 +68,12 @@ class OwnLRColumn:
             token_ids: Sequence[int]) -> int:
         """Write the kept column onto ``slots`` [n] (int64), the rows of positions
         ``start .. start + n - 1`` holding ``token_ids``: on the positions both cover, up to the
-        first whose token differs (the hidden states past it differ). Returns the rows written."""
-        if slots.numel() != len(token_ids) or len(buffers) != len(self.values):
-            raise ValueError(f"{slots.numel()} slots for {len(token_ids)} tokens, "
-                             f"{len(buffers)} buffers for {len(self.values)} kept")
+        first whose token differs (the hidden states past it differ). Returns the rows written;
+        ValueError when the buffers are not those it was taken from (count, rank)."""
+        if slots.numel() != len(token_ids) or len(buffers) != len(self.values) or any(
+                b.shape[2:] != v.shape[1:] for b, v in zip(buffers, self.values)):
+            raise ValueError(f"{slots.numel()} slots for {len(token_ids)} tokens; buffers "
+                             f"{[tuple(b.shape) for b in buffers]} for kept {[tuple(v.shape) for v in self.values]}")
         span = own_span((self.start, self.end), (start, start + len(token_ids)))
         if span is None:
             return 0

@@ -272,6 +272,8 @@ def test_own_column_put_only_where_positions_and_tokens_match():
     assert kept.put(bufs, torch.tensor([15]), 3, [1]) == 0  # before the turn's rows
     with pytest.raises(ValueError):
         kept.put(bufs, torch.tensor([1, 2]), 10, [5])
+    with pytest.raises(ValueError):  # the buffers were re-made at another rank
+        kept.put([torch.zeros(16, 2, 8)], torch.tensor([1]), 10, [5])
 
 
 def test_own_span():
