@@ -107,7 +107,12 @@ LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase
 RECOMPUTE_METHODS = ("cacheblend", "droidspeak", "relaycaching")  # see benchmarks.coverage
 KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:] + ("rebase_shared_db",) + RECOMPUTE_METHODS
 REPO = Path(__file__).resolve().parent.parent
-ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
+ROLES = ("solver", "critic", "final")
+
+
+def adapters(targets: str = "qv") -> dict:
+    """The shipped role adapters of ``targets`` (``qv`` or ``qkvo``), by role."""
+    return {name: REPO / "adapters" / f"smollm2-{name}-{targets}-r8" for name in ROLES}
 TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate
 TOPOLOGY = "sequential"
 TOP_K = 20
@@ -539,7 +544,7 @@ class Backend:
         flags = ["--kvshare-dump-dir", str(self.dump_root), "--max-total-tokens", str(args.max_total_tokens)]
         if args.agents == "lora":
             flags += ["--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
-                      "--lora-paths", *[f"{n}={p}" for n, p in ADAPTERS.items()]]
+                      "--lora-paths", *[f"{n}={p}" for n, p in adapters(args.adapter_targets).items()]]
         if lr_cache:
             flags.append("--kvshare-lr-cache")
         flags += list(extra_flags)
@@ -632,6 +637,8 @@ def parse_args(argv=None):
     ap.add_argument("--agents", choices=("prompt", "lora"), default="prompt",
                     help="prompt: agents differ by system prompt (KVCMAS); lora: by LoRA adapter "
                          "(PReCache; the adapters in adapters/, one growing chat)")
+    ap.add_argument("--adapter-targets", choices=("qv", "qkvo"), default="qv",
+                    help="with --agents lora: the shipped role adapters on q/v or on q/k/v/o")
     ap.add_argument("--dataset", default=None, help="mmlu | gsm8k | gpqa | humaneval (default mmlu; "
                     "gsm8k with --agents lora)")
     ap.add_argument("--tasks", type=int, default=40, help="tasks (default 40)")
@@ -736,7 +743,8 @@ def main(argv=None) -> int:
     tag = uuid.uuid4().hex[:8]
     results: Dict[str, Any] = {
         "config": {
-            "agents_kind": args.agents, "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
+            "agents_kind": args.agents, "adapter_targets": args.adapter_targets if args.agents == "lora" else None,
+            "dataset": args.dataset, "tasks": [t.id for t in tasks], "topology": TOPOLOGY,
             "agents": [r.name for r in roles.roles], "methods": args.method_list,
             "warmup_tasks": [t.id for t in warmup_tasks], "tau": args.tau,
             "tau_sweep": args.taus, "sweep_methods": args.sweep_methods.split(","),

@@ -78,7 +78,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import requests
 from tqdm import tqdm
 
-from benchmarks.fidelity import ADAPTERS
+from benchmarks.fidelity import adapters
 from benchmarks.fidelity_metrics import recomputed_reuse
 from sglang_kvshare.routing import routing_headers
 from sglang_kvshare.workflows import (
@@ -94,7 +94,7 @@ DEFAULT_METHODS = ("nonshared", "fullshared", "kvcmas")
 # TTFT includes waiting for the rebuild the previous turn queued, if it has not finished)
 LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase_shared_db", "rebase_shared_lp")
 LORA_SERVER_ARGS = ("--enable-lora", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
-                    "--kvshare-lr-cache", "--lora-paths", *(f"{n}={p}" for n, p in ADAPTERS.items()))
+                    "--kvshare-lr-cache", "--lora-paths", *(f"{n}={p}" for n, p in adapters().items()))
 # PReCache's FullShared baseline: a later LoRA agent reuses the previous agent's adapted K/V as they
 # are, which needs K/V with the value deltas in them: a plain LoRA server (no LR cache), started
 # after the LR-cache server's methods have run
