@@ -161,10 +161,12 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             )
         # query/output: [bs, H, D]; the slot runs are the same in every layer of the forward
         fwd = session().forward
-        runs = fwd.decode_runs if fwd is not None and fwd.batch.seq_lens is seq_lens else None
+        if fwd is None or fwd.batch.seq_lens is not seq_lens:
+            fwd = None  # not the forward the backend began: plan without keeping it
+        runs = None if fwd is None else fwd.decode_runs
         if runs is None:
             runs = [slot_runs(req_to_token[req_pool_indices[i], : int(n)]) for i, n in enumerate(seq_lens.tolist())]
-            if fwd is not None and fwd.batch.seq_lens is seq_lens:
+            if fwd is not None:
                 fwd.decode_runs = runs
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for i, parts in enumerate(runs):

@@ -112,7 +112,7 @@ class LRCache:
     @property
     def key_lr(self) -> bool:
         """Whether a loaded adapter adapts k_proj (then every layer keeps key LR columns)."""
-        return any(adapts_keys(lora.config.hf_config) for lora in self.manager.loras.values())
+        return _keeps_key_lr(self.manager)
 
     def columns(self, forward_batch) -> torch.Tensor:
         """[bs] int64: the LR column of each request of the batch (-1: the base model)."""
@@ -227,9 +227,12 @@ class LRCache:
 def lr_bytes_per_token(manager, num_layers: int, elem_size: int, columns: Optional[int] = None) -> int:
     """LR bytes one cached token takes in ``columns`` LR columns (default: all the LoRA memory
     pool's slots), all layers: value LR, and key LR too when an adapter adapts k_proj."""
-    key = any(adapts_keys(lora.config.hf_config) for lora in manager.loras.values())
     columns = manager.max_loras_per_batch if columns is None else columns
-    return num_layers * columns * manager.max_lora_rank * elem_size * (2 if key else 1)
+    return num_layers * columns * manager.max_lora_rank * elem_size * (2 if _keeps_key_lr(manager) else 1)
+
+
+def _keeps_key_lr(manager) -> bool:
+    return any(adapts_keys(lora.config.hf_config) for lora in manager.loras.values())
 
 
 def paged_indices(req_to_token, req_pool_indices, seq_lens, q_lens: list[int]):

@@ -60,15 +60,14 @@ def keep_own_columns(batch) -> None:
     """After the forward of ``batch``: DB twins get their adapted request's column j on the
     positions both computed; LP rebuilds get the kept column of the turn they rebuild."""
     ctx = session()
-    lr = ctx.lr
-    if lr is None or not batch.reqs:
-        return
+    lr, twins = ctx.lr, ctx.twins
+    if lr is None or not batch.reqs or not (len(twins) or len(ctx.own_columns)):
+        return  # no DB pair and no LP column kept: nothing to put (every forward passes here)
     req_to_token = lr.runner.req_to_token_pool.req_to_token
     pairs = {}
     for req, lo, hi in written_positions(batch):
         if hi <= lo:
             continue
-        twins = ctx.twins
         primary, twin = twins.primary_of(req), twins.twin_of(req)
         if primary is not None or twin is not None:
             twins.wrote(req, lo, hi)
@@ -87,7 +86,7 @@ def keep_own_columns(batch) -> None:
     for (primary, twin), since in pairs.values():
         if primary.lora_id is None or not (primary.kv.holds_kv and twin.kv.holds_kv):
             continue
-        own_p, own_t = ctx.twins.own(primary), ctx.twins.own(twin)
+        own_p, own_t = twins.own(primary), twins.own(twin)
         span = None if own_p is None or own_t is None else own_span(own_p, own_t, since=since)
         if span is not None:
             lo, hi = span

@@ -86,6 +86,10 @@ class TwinPairs:
     def held(self, primary) -> bool:
         return primary in self._held
 
+    def __len__(self) -> int:
+        """Twins alive now."""
+        return len(self._primary)
+
     def wrote(self, req, lo: int, hi: int) -> None:
         """A forward wrote ``req``'s KV at positions ``[lo, hi)``: its computed span grows, or
         starts again when ``lo`` does not continue it (the first forward, a retracted request)."""
