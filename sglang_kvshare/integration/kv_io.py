@@ -12,7 +12,7 @@ import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
 
 from sglang_kvshare.correction import SegmentKV
-from sglang_kvshare.rope import RopeSpec, shift_keys
+from sglang_kvshare.rope import RopeSpec, rotate_keys_, shift_keys
 from sglang_kvshare.segments.sources import SourceRecord
 
 logger = logging.getLogger(__name__)
@@ -58,30 +58,38 @@ def read_source(tree, rec: SourceRecord, num_tokens: int, *, whole: bool = False
         tree.unlock(lock)
 
 
+def _moved(keys: torch.Tensor, delta: int, rope: RopeSpec) -> torch.Tensor:
+    """``keys`` [..., H, D] (a tensor the caller owns) moved ``delta`` positions: in place for
+    float32 keys (one angle for all of them), else through ``shift_keys``."""
+    if keys.dtype == torch.float32:
+        return rotate_keys_(keys, delta, rope)
+    shape = keys.shape
+    return shift_keys(keys.reshape(-1, *shape[-2:]), delta, rope).reshape(shape)
+
+
 @torch.no_grad()
 def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
     """K/V of slots ``src`` in every layer, keys moved ``delta`` positions (one RoPE rotation
     for all layers at once): (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
     keys, values = stack_kv(pool, src)
-    n, L, H, D = keys.shape
-    return shift_keys(keys.reshape(n, L * H, D), delta, rope).reshape(n, L, H, D), values
+    return _moved(keys, delta, rope), values
 
 
 @torch.no_grad()
 def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
-    k, v = gather_aligned(pool, idx.to(torch.int64), -start, rope)
-    n, L, H, D = k.shape
-    return SegmentKV(k.reshape(n, L, H * D).transpose(0, 1).contiguous(),
-                     v.reshape(n, L, H * D).transpose(0, 1).contiguous())
+    k, v = stack_kv(pool, idx.to(torch.int64), dim=0)  # [L, n, H, D], no transpose needed
+    L, n, H, D = k.shape
+    return SegmentKV(_moved(k, -start, rope).reshape(L, n, H * D), v.reshape(L, n, H * D))
 
 
 @torch.no_grad()
-def write_layers(pool, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Write ``[n, L, H, D]`` keys and values into slots ``dst`` of every layer."""
+def write_layers(pool, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dim: int = 1) -> None:
+    """Write keys and values (``[n, L, H, D]``, or ``[L, n, H, D]`` with ``dim=0``) into slots
+    ``dst`` of every layer."""
     for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
-        k_buf[dst] = keys[:, layer].to(k_buf.dtype)
-        v_buf[dst] = values[:, layer].to(v_buf.dtype)
+        k_buf[dst] = keys.select(dim, layer).to(k_buf.dtype)
+        v_buf[dst] = values.select(dim, layer).to(v_buf.dtype)
 
 
 @torch.no_grad()
@@ -92,9 +100,8 @@ def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: Ro
     k_buf0 = next(kv_layers(pool))[0]
     H, D = k_buf0.shape[1:]
     L = kv.k.shape[0]
-    k = kv.k[:, :n].transpose(0, 1).reshape(n, L * H, D)
-    k = shift_keys(k.to(k_buf0.dtype), start, rope).reshape(n, L, H, D)
-    write_layers(pool, dst, k, kv.v[:, :n].transpose(0, 1).reshape(n, L, H, D))
+    k = _moved(kv.k[:, :n].to(k_buf0.dtype, copy=True).view(L, n, H, D), start, rope)
+    write_layers(pool, dst, k, kv.v[:, :n].view(L, n, H, D), dim=0)
 
 
 def kv_bytes_per_token(pool) -> int:

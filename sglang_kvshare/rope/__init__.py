@@ -1,5 +1,5 @@
 """Exact RoPE re-alignment of cached keys (default and llama3 RoPE, NeoX and GPT-J layouts)."""
 
-from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
+from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, rotate_keys_, shift_keys
 
-__all__ = ["RopeSpec", "inv_freq_for", "shift_keys"]
+__all__ = ["RopeSpec", "inv_freq_for", "rotate_keys_", "shift_keys"]

@@ -71,3 +71,24 @@ def test_per_token_delta_and_partial_rotary_dim_and_gptj_layout():
 def test_unsupported_scaling_is_refused():
     with pytest.raises(ValueError, match="yarn"):
         inv_freq_for(64, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("delta", [0, 7, -2048])
+def test_in_place_constant_shift_equals_the_per_token_shift(is_neox, delta):
+    """``rotate_keys_`` (one angle, in place, any leading layout) equals ``shift_keys`` with a
+    per-token delta tensor (the general path), channels past rotary_dim untouched."""
+    from sglang_kvshare.rope import rotate_keys_
+
+    torch.manual_seed(2)
+    spec = RopeSpec(inv_freq=inv_freq_for(32, 10000.0), rotary_dim=32, is_neox=is_neox)
+    k = torch.randn(4, 9, 2, 48)  # [layers, tokens, heads, head_dim]
+    expected = shift_keys(k.reshape(-1, 2, 48), torch.full((36,), delta), spec).reshape(k.shape)
+    out = k.clone()
+    assert rotate_keys_(out, delta, spec) is out
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[..., 32:], k[..., 32:])
+    if delta:
+        assert (rotate_keys_(k.clone(), delta + 1, spec) - expected).abs().max() > 1e-2
+    with pytest.raises(TypeError, match="float32"):
+        rotate_keys_(k.to(torch.bfloat16), delta, spec)
