@@ -88,6 +88,12 @@ class KVShareArgs:
         "PReCache: keep base values plus per-adapter LR caches (needs --enable-lora and the "
         "kvshare_torch attention backend); required by baseshared, prelr_shared, rebase_shared_lp, rebase_shared_db",
     )
+    lp_stash_columns: float = _flag(
+        1.0,
+        "rebase_shared_lp: room for the adapted turns' own LR columns kept for their rebuilds, in "
+        "LR columns per KV slot; with the LR cache SGLang's pool sizing counts it in the bytes per "
+        "cached token (0: none kept; a rebuild then writes the agent's column from adapter-free states)",
+    )
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"
     )
@@ -103,6 +109,7 @@ class KVShareArgs:
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
+            ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),
         )
         for name, ok, what in checks:
             if not ok:

@@ -149,8 +149,10 @@ class LRCache:
         """Per cached token (fixed once the pools exist): base K+V bytes, LR bytes of ONE agent's
         column (all layers), and the bytes SGLang's pool sizing counted (K+V and every column)."""
         elem = self.kv_pool.get_value_buffer(0).element_size()
+        per_agent = lr_bytes_per_token(self.manager, len(self.layer_of), elem, 1)
         out = {"kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
-               "lr_bytes_per_token_per_agent": lr_bytes_per_token(self.manager, len(self.layer_of), elem, 1)}
+               "lr_bytes_per_token_per_agent": per_agent,
+               "lp_stash_bytes_per_token": lp_stash_bytes(per_agent)}
         cell = session().lr_pool_cell_bytes
         if cell is not None:
             out["pool_cell_bytes_per_token"] = cell
@@ -231,6 +233,12 @@ def lr_bytes_per_token(manager, num_layers: int, elem_size: int, columns: Option
     return num_layers * columns * manager.max_lora_rank * elem_size * (2 if _keeps_key_lr(manager) else 1)
 
 
+def lp_stash_bytes(per_agent: int) -> int:
+    """Bytes per cached token reserved for rebase_shared_lp's kept own LR columns
+    (``--kvshare-lp-stash-columns`` columns of ``per_agent`` bytes)."""
+    return int(round(session().args.lp_stash_columns * per_agent))
+
+
 def _keeps_key_lr(manager) -> bool:
     return any(adapts_keys(lora.config.hf_config) for lora in manager.loras.values())
 
@@ -280,7 +288,9 @@ def _compute_cell_size(original, configurator, kvc, num_layers, *args, **kwargs)
     ses = session()
     manager = ses.lora_manager
     if ses.args.lr_cache and manager is not None and cell:
-        cell += lr_bytes_per_token(manager, num_layers, torch._utils._element_size(kvc.kv_cache_dtype))
+        elem = torch._utils._element_size(kvc.kv_cache_dtype)
+        cell += lr_bytes_per_token(manager, num_layers, elem)
+        cell += lp_stash_bytes(lr_bytes_per_token(manager, num_layers, elem, 1))
         ses.lr_pool_cell_bytes = cell
     return cell
 

@@ -100,7 +100,7 @@ def keep_for_rebuild(tree, req, st) -> None:
     the tree's ``on_release``: the row is freed but no slot is reused yet."""
     ctx = session()
     lr = ctx.lr
-    if lr is None or req.lora_id is None or st.method.lr_sharing != "rebase_lp":
+    if lr is None or req.lora_id is None or st.method.lr_sharing != "rebase_lp" or not ctx.args.lp_stash_columns:
         return
     lo, hi = req.kv.cache_protected_len, req.owned_kv_len()
     if hi <= lo or req.kv.req_pool_idx is None:

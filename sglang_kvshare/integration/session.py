@@ -141,13 +141,14 @@ class Session:
     def own_columns(self) -> FIFOCache:
         """ReBaseShared LP: adapted request id -> its own LR column (``OwnLRColumn``), kept for
         its rebuild (``own_lr``) and dropped when the rebuild is released. Bounded in bytes by
-        one LR column of every KV slot (oldest dropped first); created with the LR cache."""
+        the room SGLang's pool sizing reserved (``--kvshare-lp-stash-columns`` LR columns of
+        every KV slot; oldest dropped first); created with the LR cache."""
         if self._own_columns is None:
-            budget = 1
+            budget = 0
             if self.lr is not None:
                 rows = self.lr.kv_pool.get_value_buffer(0).shape[0]
-                budget = rows * self.lr.bytes_per_token["lr_bytes_per_token_per_agent"]
-            self._own_columns = FIFOCache(maxsize=budget, getsizeof=lambda kept: kept.nbytes())
+                budget = rows * self.lr.bytes_per_token["lp_stash_bytes_per_token"]
+            self._own_columns = FIFOCache(maxsize=max(budget, 1), getsizeof=lambda kept: kept.nbytes())
         return self._own_columns
 
     def remember_processed(self, workflow: str, agent: str, tokens: tuple[int, ...]) -> None:

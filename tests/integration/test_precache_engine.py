@@ -83,8 +83,11 @@ def test_lr_split_attention_matches_stock_lora(lr_servers, tiny_model):
         assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
         kv = out["meta_info"]["kvshare"]
         assert kv["lr_bytes_per_token_per_agent"] > 0
-        # SGLang sized the pool with the LR bytes of all 4 columns beside the KV bytes
-        assert kv["pool_cell_bytes_per_token"] == kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"]
+        # SGLang sized the pool with the LR bytes of all 4 columns and the LP stash beside the KV bytes
+        assert kv["pool_cell_bytes_per_token"] == (
+            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"])
+        # and the LP stash's room: one more column (--kvshare-lp-stash-columns 1, the default)
+        assert kv["lp_stash_bytes_per_token"] == kv["lr_bytes_per_token_per_agent"]
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda a: ask(ours, f"mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS))
     ids = stock_ids(tok, 4)

@@ -56,7 +56,10 @@ def test_qkvo_nonshared_matches_stock_lora(qkvo_servers, tiny_model):
         # value and key columns: 2 x layers x rank x float32
         kv = out["meta_info"]["kvshare"]
         assert kv["lr_bytes_per_token_per_agent"] == 2 * 2 * RANK * 4
-        assert kv["pool_cell_bytes_per_token"] == kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"]
+        assert kv["pool_cell_bytes_per_token"] == (
+            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"])
+        # and the LP stash's room: one more column (--kvshare-lp-stash-columns 1, the default)
+        assert kv["lp_stash_bytes_per_token"] == kv["lr_bytes_per_token_per_agent"]
     assert stock_generate(stock, ids, "planner-nok", 12) != stock_generate(stock, ids, "planner", 12)
     with ThreadPoolExecutor(3) as pool:
         outs = list(pool.map(lambda a: ask(ours, f"qkvo-mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS))

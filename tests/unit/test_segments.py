@@ -82,3 +82,15 @@ def test_cli_flags_come_from_the_dataclass():
     assert KVShareArgs.from_env.__func__  # round trip through the environment
     with pytest.raises(SystemExit):
         parser.parse_args(["--kvshare-method", "bogus"])
+
+
+@pytest.mark.parametrize("flag,value", [("--kvshare-lp-stash-columns", "-1"), ("--kvshare-target-rho", "1.5"),
+                                        ("--kvshare-num-anchors", "0")])
+def test_bad_flag_values_get_an_error_naming_the_flag(flag, value):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    with pytest.raises(ValueError, match=flag):
+        KVShareArgs.from_cli_args(parser.parse_args([flag, value]))
+    assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-lp-stash-columns", "0.5"])).lp_stash_columns == 0.5
