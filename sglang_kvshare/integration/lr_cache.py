@@ -147,7 +147,8 @@ class LRCache:
     @functools.cached_property
     def bytes_per_token(self) -> dict[str, int]:
         """Per cached token (fixed once the pools exist): base K+V bytes, LR bytes of ONE agent's
-        column (all layers), and the bytes SGLang's pool sizing counted (K+V and every column)."""
+        column (all layers), the room kept for rebase_shared_lp's own columns, and the bytes
+        SGLang's pool sizing counted (K+V, every column and that room)."""
         elem = self.kv_pool.get_value_buffer(0).element_size()
         per_agent = lr_bytes_per_token(self.manager, len(self.layer_of), elem, 1)
         out = {"kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
