@@ -5,7 +5,8 @@ Hooked targets (all resolved by tests/integration/test_hook_targets.py):
 - ``Req._compute_max_prefix_len``: before a request holds a KV row, its radix match stops one
   token short of the first shared segment that will be injected.
 - ``PrefillAdder._select_prefill_admission``: the first admission is cut at that segment's start
-  (a chunked prefill); a request that would need a cut waits while another chunk is in flight.
+  (a chunked prefill); a request that would need a cut, or that SGLang would chunk, waits while
+  another chunked request is unfinished (a chunk cut at a segment leaves chunk budget unused).
 - ``PrefillAdder.add_one_req``: after a cut, no further request joins the batch.
 - ``PrefillAdder.add_chunked_req``: each later chunk stops at the next segment to inject.
 - ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
@@ -72,8 +73,14 @@ def _max_prefix_len(original, req, input_len):
 
 def _select_admission(original, adder, req, **kwargs):
     admission = original(adder, req, **kwargs)
+    if not isinstance(admission, _PrefillAdmission):
+        return admission
+    if admission.is_chunked and kwargs.get("has_chunked_req"):
+        # A chunk stopped at a segment leaves chunk budget that stock SGLang would give a long
+        # prompt as a second chunked request; the scheduler tracks one: the prompt waits.
+        return AddReqResult.OTHER
     st = session().lookup(req)
-    if st is None or not isinstance(admission, _PrefillAdmission):
+    if st is None:
         return admission
     if st.first_prefix_len is None:
         st.first_prefix_len = admission.prefix_len

@@ -306,3 +306,39 @@ def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
         assert grew("kvshare_corrections_total", method="kvcmas", outcome=outcome, reason=s["gate"]) >= 1
     assert grew("kvshare_correction_seconds_count", method="kvcmas") == len([m for m in metas if m["method"] == "kvcmas"])
     assert after[("kvshare_anchor_bytes", (("method", "kvcmas"),))] == metas[-1]["anchor_bytes"]
+
+
+def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny_server):
+    """A later agent's chunk stops at its next segment and leaves chunk budget unused; a long
+    plain prompt queued meanwhile would be chunked too, and SGLang tracks one unfinished chunked
+    request (the scheduler asserted and died: found at 0.13 wf/s in the LoRA serving run). Both
+    must be answered, and the server keep serving."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_server.model_path)
+    system = " ".join(f"Rule {i}: check unit {i} twice." for i in range(100))  # ~1.1K private tokens
+    notes = " ".join(f"Note {i}: the critic reads line {i}." for i in range(120))  # ~1.4K between segments
+    long_text = " ".join(f"Line {i} of a long plain prompt." for i in range(280))
+    # the long prompt does not fit the chunk budget the cut chunk leaves (4096 - the notes)
+    assert 4096 - len(tok(notes).input_ids) < len(tok(long_text).input_ids) < 3800
+    for round_ in range(3):
+        wf = f"cut-beside-long-{round_}"
+        first = tiny_server.generate(payload(wf, "solver", "fullshared", segments("solver", {}), 6))
+        assert first.status_code == 200, first.text
+        segs = [
+            {"text": f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", "shared": False},
+            {"text": QUESTION, "shared": True, "slot": "q"},
+            {"text": f"\n{notes}\nsolver wrote: ", "shared": False},
+            {"text": first.json()["text"], "shared": True, "slot": "out:solver"},
+            {"text": "<|im_end|>\n<|im_start|>assistant\n", "shared": False},
+        ]
+        plain = {"text": long_text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        with cf.ThreadPoolExecutor(2) as pool:
+            later = pool.submit(tiny_server.generate, payload(wf, "critic", "fullshared", segs, 6))
+            other = pool.submit(tiny_server.generate, plain)
+            later, other = later.result(timeout=300), other.result(timeout=300)
+        assert later.status_code == 200, later.text
+        assert other.status_code == 200, other.text
+        meta = later.json()["meta_info"]["kvshare"]
+        assert [s["mode"] for s in meta["segments"] if s["shared"]] == ["injected", "injected"]
+    assert tiny_server.generate(payload("cut-beside-long-ok", "solver", "nonshared", segments("solver", {}), 2)).status_code == 200
