@@ -319,7 +319,7 @@ def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny
     system = " ".join(f"Rule {i}: check unit {i} twice." for i in range(100))  # ~1.1K private tokens
     notes = " ".join(f"Note {i}: the critic reads line {i}." for i in range(120))  # ~1.4K between segments
     long_text = " ".join(f"Line {i} of a long plain prompt." for i in range(280))
-    # the long prompt does not fit the chunk budget the cut chunk leaves (4096 - the notes)
+    # the long prompt does not fit the budget the cut chunk leaves of the 4096-token CPU chunk
     assert 4096 - len(tok(notes).input_ids) < len(tok(long_text).input_ids) < 3800
     for round_ in range(3):
         wf = f"cut-beside-long-{round_}"
