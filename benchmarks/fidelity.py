@@ -107,15 +107,16 @@ LORA_METHODS = ("nonshared", "fullshared", "baseshared", "prelr_shared", "rebase
 RECOMPUTE_METHODS = ("cacheblend", "droidspeak", "relaycaching")  # see benchmarks.coverage
 KNOWN_METHODS = MAIN_METHODS + ("kvcmas_plus",) + LORA_METHODS[2:] + ("rebase_shared_db",) + RECOMPUTE_METHODS
 REPO = Path(__file__).resolve().parent.parent
-ROLES = ("solver", "critic", "final")
-
-
-def adapters(targets: str = "qv") -> dict:
-    """The shipped role adapters of ``targets`` (``qv`` or ``qkvo``), by role."""
-    return {name: REPO / "adapters" / f"smollm2-{name}-{targets}-r8" for name in ROLES}
 TAU_METHODS = {"kvcmas", "kvcmas_nonchained", "kvcmas_plus", "kvcomm"}  # graphflow has no gate
 TOPOLOGY = "sequential"
 TOP_K = 20
+
+
+def adapters(targets: str = "qv") -> dict:
+    """The shipped adapters of the LoRA roles (``lora_conversation_roles``) on ``targets``
+    (``qv`` or ``qkvo``), by adapter name."""
+    names = [r.lora_path for r in lora_conversation_roles().roles]
+    return {name: REPO / "adapters" / f"smollm2-{name}-{targets}-r8" for name in names}
 
 
 # ----------------------------------------------------------------------------- one turn

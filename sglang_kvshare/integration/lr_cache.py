@@ -150,7 +150,7 @@ class LRCache:
         column (all layers), the room kept for rebase_shared_lp's own columns, and the bytes
         SGLang's pool sizing counted (K+V, every column and that room)."""
         elem = self.kv_pool.get_value_buffer(0).element_size()
-        per_agent = lr_bytes_per_token(self.manager, len(self.layer_of), elem, 1)
+        per_agent = lr_bytes_per_token(self.manager, len(self.layer_of), elem)
         out = {"kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
                "lr_bytes_per_token_per_agent": per_agent,
                "lp_stash_bytes_per_token": lp_stash_bytes(per_agent)}
@@ -227,11 +227,11 @@ class LRCache:
         return out
 
 
-def lr_bytes_per_token(manager, num_layers: int, elem_size: int, columns: Optional[int] = None) -> int:
-    """LR bytes one cached token takes in ``columns`` LR columns (default: all the LoRA memory
-    pool's slots), all layers: value LR, and key LR too when an adapter adapts k_proj."""
-    columns = manager.max_loras_per_batch if columns is None else columns
-    return num_layers * columns * manager.max_lora_rank * elem_size * (2 if _keeps_key_lr(manager) else 1)
+def lr_bytes_per_token(manager, num_layers: int, elem_size: int) -> int:
+    """LR bytes one cached token takes in ONE agent's LR column (the LoRA memory pool keeps
+    ``max_loras_per_batch`` of them), all layers: value LR, and key LR too when an adapter adapts
+    k_proj."""
+    return num_layers * manager.max_lora_rank * elem_size * (2 if _keeps_key_lr(manager) else 1)
 
 
 def lp_stash_bytes(per_agent: int) -> int:
@@ -289,9 +289,8 @@ def _compute_cell_size(original, configurator, kvc, num_layers, *args, **kwargs)
     ses = session()
     manager = ses.lora_manager
     if ses.args.lr_cache and manager is not None and cell:
-        elem = torch._utils._element_size(kvc.kv_cache_dtype)
-        cell += lr_bytes_per_token(manager, num_layers, elem)
-        cell += lp_stash_bytes(lr_bytes_per_token(manager, num_layers, elem, 1))
+        per_agent = lr_bytes_per_token(manager, num_layers, torch._utils._element_size(kvc.kv_cache_dtype))
+        cell += manager.max_loras_per_batch * per_agent + lp_stash_bytes(per_agent)
         ses.lr_pool_cell_bytes = cell
     return cell
 
