@@ -8,6 +8,7 @@ the default model, float32, no server.
 
     python -m benchmarks.reference_error [N_TASKS]
 """
+import json
 import sys
 
 import torch
@@ -20,38 +21,53 @@ from sglang_kvshare.workflows import get_roles
 from benchmarks.datasets import load_tasks
 
 
-def main():
-    torch.set_num_threads(2)
-    path = ensure_default_model()
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    cfg = model.config
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    import json; _c = json.load(open(f"{path}/config.json")); rope = RopeSpec(inv_freq_for(hd, _c["rope_parameters"]["rope_theta"], None), hd, True)
-    roles = get_roles("mmlu").roles
-    N = int(sys.argv[1]) if len(sys.argv) > 1 else 12
-    tasks = load_tasks("mmlu", N, seed=5)
-    enc = lambda t: tok.encode(t, add_special_tokens=False)
+class HFModel:
+    """The default model in HF transformers, float32, 2 threads: exact segment caches."""
+
+    def __init__(self):
+        torch.set_num_threads(2)
+        path = ensure_default_model()
+        self.tok = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        self.cfg = self.model.config
+        hd = self.cfg.hidden_size // self.cfg.num_attention_heads
+        theta = json.load(open(f"{path}/config.json"))["rope_parameters"]["rope_theta"]
+        self.rope = RopeSpec(inv_freq_for(hd, theta, None), hd, True)
+
+    def enc(self, text):
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def system_ids(self, role):
+        return self.enc("<|im_start|>system\n" + role.system_prompt + "<|im_end|>\n<|im_start|>user\n")
 
     @torch.no_grad()
-    def seg_kv(prefix_ids, seg_ids):
-        ids = torch.tensor([prefix_ids + seg_ids])
-        pkv = model(ids, use_cache=True).past_key_values
+    def segment_kv(self, prefix_ids, seg_ids) -> SegmentKV:
+        """K (re-aligned to position 0) and V of ``seg_ids`` after ``prefix_ids``, [L, n, H*D]."""
+        pkv = self.model(torch.tensor([prefix_ids + seg_ids]), use_cache=True).past_key_values
         ks, vs = [], []
-        for l in range(cfg.num_hidden_layers):
+        for l in range(self.cfg.num_hidden_layers):
             k = pkv.layers[l].keys[0] if hasattr(pkv, "layers") else pkv.key_cache[l][0]
             v = pkv.layers[l].values[0] if hasattr(pkv, "layers") else pkv.value_cache[l][0]
             k = k[:, len(prefix_ids):].transpose(0, 1)  # [T, H, hd]
             v = v[:, len(prefix_ids):].transpose(0, 1)
-            k = shift_keys(k, -len(prefix_ids), rope)
+            k = shift_keys(k, -len(prefix_ids), self.rope)
             ks.append(k.reshape(k.shape[0], -1)); vs.append(v.reshape(v.shape[0], -1))
         return SegmentKV(torch.stack(ks), torch.stack(vs))
 
-    def err(a, b):
-        num = (a.k - b.k).square().sum() + (a.v - b.v).square().sum()
-        return float((num / (b.k.square().sum() + b.v.square().sum())).sqrt())
 
-    sys_ids = lambda r: enc("<|im_start|>system\n" + r.system_prompt + "<|im_end|>\n<|im_start|>user\n")
+def err(a, b):
+    """Relative KV error ||a - b|| / ||b|| over keys and values of all layers."""
+    num = (a.k - b.k).square().sum() + (a.v - b.v).square().sum()
+    return float((num / (b.k.square().sum() + b.v.square().sum())).sqrt())
+
+
+def main():
+    hf = HFModel()
+    roles = get_roles("mmlu").roles
+    N = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    tasks = load_tasks("mmlu", N, seed=5)
+    enc, seg_kv, sys_ids = hf.enc, hf.segment_kv, hf.system_ids
+
     PREFIXES = {"none (today)": [], "<|im_start|>": enc("<|im_start|>"), "<|im_start|>user\\n": enc("<|im_start|>user\n"),
                 "<|im_start|>system\\n<|im_end|>\\n<|im_start|>user\\n": enc("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n")}
     data = []

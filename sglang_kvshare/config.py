@@ -58,7 +58,13 @@ class KVShareArgs:
     )
     anchor_mem_fraction: float = _flag(0.1, "fraction of free memory for the anchor budget when it is -1")
     anchor_dtype: str = _flag(
-        "float16", "storage dtype of the low-rank anchor factors", choices=lambda: ["float16", "bfloat16", "float32"]
+        "bfloat16", "storage dtype of the low-rank anchor factors", choices=lambda: ["float16", "bfloat16", "float32"]
+    )
+    anchor_compute_dtype: str = _flag(
+        "auto",
+        "input dtype of the correction's gate and delta products (float32 accumulation); auto: "
+        "bfloat16 where its products are native (CUDA, CPUs with AVX512-BF16 or AMX), else float32",
+        choices=lambda: ["auto", "float32", "bfloat16"],
     )
     observe: str = _flag(
         "background",

@@ -70,7 +70,8 @@ class AnchorPoolConfig:
     byte budget of one slot's pool. full_coverage: correct only segments that two anchors cover
     entirely (KVComm), else the covered prefix (KVCMAS). gate_scale: "absolute" (eq. 9 as
     written) or "relative" (distances over the smallest one, see ``gate.relative_distances``).
-    gate_temperature: T of the gate softmax (eq. 10; None: ``temperature``).
+    gate_temperature: T of the gate softmax (eq. 10; None: ``temperature``). compute_dtype: dtype
+    of the inputs of the gate's and the correction's products (``lowrank.FactorBatch``).
     """
 
     num_anchors: int = 10
@@ -85,6 +86,7 @@ class AnchorPoolConfig:
     full_coverage: bool = False
     gate_scale: str = "absolute"
     gate_temperature: Optional[float] = None
+    compute_dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -287,7 +289,7 @@ class AnchorPoolCorrector(Corrector):
         """(sq [N]: eq. 9 squared, dist [N, n_layers, k]: per-token RMS distance of the values)."""
         sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
         dist = torch.empty(len(members), base.num_layers, k, dtype=torch.float32, device=base.v.device)
-        bases = FactorBatch([a.base_v for a in members], k)
+        bases = FactorBatch([a.base_v for a in members], k, self.config.compute_dtype)
         for layers in _blocks(base.num_layers):
             d2 = bases.sq_distances(base.v[layers, :k], layers)  # [N, c, k]
             sq += d2.sum((1, 2))
@@ -321,8 +323,11 @@ class AnchorPoolCorrector(Corrector):
         n_layers, D = base.num_layers, base.dim
         out_k = torch.empty(n_layers, k, D, dtype=torch.float32, device=base.k.device)
         out_v = torch.empty_like(out_k)
-        bases_k = FactorBatch([a.base_k for a in members], k)
-        deltas = [FactorBatch([a.deltas[target_agent][which] for a in members], k) for which in (0, 1)]
+        bases_k = FactorBatch([a.base_k for a in members], k, self.config.compute_dtype)
+        deltas = [
+            FactorBatch([a.deltas[target_agent][which] for a in members], k, self.config.compute_dtype)
+            for which in (0, 1)
+        ]
         for layers in _blocks(n_layers):
             dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
             for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):

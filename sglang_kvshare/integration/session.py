@@ -168,13 +168,27 @@ class Session:
             overrides: dict[str, Any] = {}
             if name.startswith("kvcmas"):
                 overrides = {"num_anchors": self.args.num_anchors, "tau": self.args.tau,
-                             "factor_dtype": getattr(torch, self.args.anchor_dtype)}
+                             "factor_dtype": getattr(torch, self.args.anchor_dtype),
+                             "compute_dtype": self.anchor_compute_dtype()}
                 if name != "kvcmas_plus":  # its ranks are energy-chosen under caps of its own
                     overrides.update(rank_base=self.args.rank, rank_delta=self.args.rank)
             elif name == "kvcomm":
                 overrides = {"tau": self.args.tau}
             self._correctors[name] = create_corrector(name, **overrides)
         return self._correctors[name]
+
+    def anchor_compute_dtype(self):
+        """``--kvshare-anchor-compute-dtype`` resolved for the device the model runs on (an
+        accelerator when there is one, as ``anchor_budget`` assumes)."""
+        import torch
+
+        from sglang_kvshare.lowrank import native_bfloat16
+
+        choice = self.args.anchor_compute_dtype
+        if choice == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            choice = "bfloat16" if native_bfloat16(device) else "float32"
+        return getattr(torch, choice)
 
     def tau_controller(self, name: str, target_rho: Optional[float] = None):
         """The gate threshold controller of method ``name`` for a reuse target (None: the

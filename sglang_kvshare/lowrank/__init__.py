@@ -7,7 +7,8 @@ from sglang_kvshare.lowrank.factors import (
     LowRank,
     effective_rank,
     factorize,
+    native_bfloat16,
     truncated_svd,
 )
 
-__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "truncated_svd"]
+__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "native_bfloat16", "truncated_svd"]

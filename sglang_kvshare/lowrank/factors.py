@@ -151,6 +151,17 @@ def effective_rank(Z: torch.Tensor, energy: float = 0.9) -> Union[int, torch.Ten
     return int(ranks) if Z.dim() == 2 else ranks
 
 
+def native_bfloat16(device: Union[str, torch.device] = "cpu") -> bool:
+    """Whether bfloat16 matrix products are native (faster than float32) on ``device``: CUDA
+    with bfloat16 support, or a CPU whose oneDNN has bfloat16 kernels (AVX512-BF16 or AMX)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
 class FactorBatch:
     """N factors of one shape [n_layers, >= num_rows, D] used together.
 
@@ -159,10 +170,16 @@ class FactorBatch:
     zero-padded to a common rank, so reconstructing, measuring or mixing all of them over a
     block of layers is one batched product, not a loop over layers and members. Dense members
     are stacked apart. All results are float32. Reads the factors, never mutates them.
+
+    ``compute_dtype`` bfloat16 runs those products on bfloat16 inputs (float32 accumulation,
+    the rest in float32): on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and on
+    CUDA they are 2-3x faster than float32 (``native_bfloat16``).
     """
 
-    def __init__(self, factors: "list[Factor]", num_rows: int) -> None:
-        self.factors, self.num_rows = list(factors), num_rows
+    def __init__(self, factors: "list[Factor]", num_rows: int, compute_dtype: torch.dtype = torch.float32) -> None:
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"compute_dtype must be float32 or bfloat16, got {compute_dtype}")
+        self.factors, self.num_rows, self.compute_dtype = list(factors), num_rows, compute_dtype
         self.low = [i for i, f in enumerate(self.factors) if isinstance(f, LowRank)]
         self.dense = [i for i, f in enumerate(self.factors) if not isinstance(f, LowRank)]
         self.rank = max((self.factors[i].rank for i in self.low), default=0)
@@ -171,7 +188,7 @@ class FactorBatch:
         return len(self.factors)
 
     def _low(self, layers: slice):
-        """(A_cat [c, k, n r], B_cat [c, n r, D]) of the low-rank members, float32."""
+        """(A_cat [c, k, n r], B_cat [c, n r, D]) of the low-rank members, in ``compute_dtype``."""
         k, r = self.num_rows, self.rank
         As, Bs = [], []
         for i in self.low:
@@ -182,7 +199,7 @@ class FactorBatch:
                 b = torch.cat([b, b.new_zeros(*b.shape[:-2], r - f.rank, b.shape[-1])], -2)
             As.append(a)
             Bs.append(b)
-        return torch.cat(As, -1).float(), torch.cat(Bs, -2).float()
+        return torch.cat(As, -1).to(self.compute_dtype), torch.cat(Bs, -2).to(self.compute_dtype)
 
     def _dense(self, layers: slice) -> torch.Tensor:
         return torch.stack([self.factors[i].Z[layers, : self.num_rows] for i in self.dense]).float()
@@ -201,24 +218,27 @@ class FactorBatch:
             A, B = self._low(layers)
             c, k, r = A.shape[0], A.shape[1], self.rank
             n = len(self.low)
-            low = (A.view(c, k, n, r).permute(2, 0, 1, 3) @ B.view(c, n, r, -1).transpose(0, 1))
+            low = (A.view(c, k, n, r).permute(2, 0, 1, 3) @ B.view(c, n, r, -1).transpose(0, 1)).float()
         return self._place(low, self._dense(layers) if self.dense else None)
 
     def sq_distances(self, x: torch.Tensor, layers: slice) -> torch.Tensor:
         """[N, c, k]: ||x[l, t] - Z_v[l, t]||^2 for every member, x: [c, k, D].
 
         Low-rank members are never reconstructed: with P = x B^T and orthonormal rows of B,
-        ||x - A B||^2 = ||x||^2 - 2 <P, A> + ||A||^2 per row, so the cost is one
-        [k, D] @ [D, N r] product per layer and the memory O(N k r), not O(N k D)."""
+        ||x - A B||^2 = (||x||^2 - ||P||^2) + ||P - A||^2 per row (the part of x outside B's
+        row space, plus the distance within it), so the cost is one [k, D] @ [D, N r] product
+        per layer and the memory O(N k r), not O(N k D). The product runs in ``compute_dtype``
+        (its inputs rounded, accumulated in float32); the sums in float32."""
         x = x.float()
         c, k, _ = x.shape
         low = None
         if self.low:
             A, B = self._low(layers)
             n, r = len(self.low), self.rank
-            P = torch.bmm(x, B.transpose(1, 2))  # [c, k, n r]
-            sq = x.square().sum(-1)[..., None] + ((A - 2.0 * P) * A).view(c, k, n, r).sum(-1)
-            low = sq.clamp_min(0.0).permute(2, 0, 1)
+            P = torch.bmm(x.to(A.dtype), B.transpose(1, 2)).float().view(c, k, n, r)  # [c, k, n, r]
+            outside = (x.square().sum(-1)[..., None] - P.square().sum(-1)).clamp_min(0.0)
+            sq = outside + (P - A.float().view(c, k, n, r)).square().sum(-1)
+            low = sq.permute(2, 0, 1)
         dense = (x[None] - self._dense(layers)).square().sum(-1) if self.dense else None
         return self._place(low, dense)
 
@@ -232,8 +252,8 @@ class FactorBatch:
             A, B = self._low(layers)
             c, k = A.shape[:2]
             n, r = len(self.low), self.rank
-            w = weights[self.low].float().permute(1, 2, 0)[..., None]  # [c, k, n, 1]
-            out = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B)
+            w = weights[self.low].to(A.dtype).permute(1, 2, 0)[..., None]  # [c, k, n, 1]
+            out = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B).float()
         if self.dense:
             w = weights[self.dense].float()
             d = (w[..., None] * self._dense(layers)).sum(0)

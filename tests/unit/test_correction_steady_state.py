@@ -51,6 +51,35 @@ def test_factor_batch_equals_member_by_member_math():
     torch.testing.assert_close(fb.mix(w, layers), (w[..., None] * recs).sum(0), atol=1e-5, rtol=0)
 
 
+def test_bfloat16_products_stay_within_bfloat16_rounding_of_the_float32_math():
+    members, k, layers = _members(), 17, slice(1, 3)
+    exact, fast = FactorBatch(members, k), FactorBatch(members, k, torch.bfloat16)
+    x = _randn(2, k, D, seed=7)
+    w = torch.softmax(_randn(len(members), 2, k, seed=8), 0)
+    for what in (lambda fb: fb.sq_distances(x, layers), lambda fb: fb.mix(w, layers), lambda fb: fb.reconstruct(layers)):
+        a, b = what(exact), what(fast)
+        assert b.dtype == torch.float32
+        err = float((a - b).norm() / a.norm())
+        assert 0 < err < 2e-2, err  # rounded inputs (2^-8), not the float32 result
+    with pytest.raises(ValueError, match="compute_dtype"):
+        FactorBatch(members, k, torch.float16)
+
+
+def test_bfloat16_products_change_the_correction_little():
+    src = _kv(40, 10)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        c = create_corrector("kvcmas", tau=1.0, rank_base=4, rank_delta=4, compute_dtype=dtype)
+        for i in range(3):
+            base = _kv(40, 20 + i)
+            c.observe("q", "a", "b", base, SegmentKV(base.k + 0.1, base.v - 0.1))
+        results.append(c.correct("q", "a", "b", src))
+    assert results[0].entropy == pytest.approx(results[1].entropy, abs=1e-2)
+    for which in ("k", "v"):
+        exact, fast = getattr(results[0].delta, which), getattr(results[1].delta, which)
+        assert 0 < float((exact - fast).norm() / exact.norm()) < 1e-2
+
+
 def test_half_precision_factors_change_the_correction_little():
     src = _kv(40, 10)
     results = []
@@ -187,3 +216,14 @@ def test_pool_file_round_trip_and_refusals(tmp_path):
         store.read(str(tmp_path / "other.pt"))
     assert not any(p.name.startswith(".pool.pt.tmp") for p in tmp_path.iterdir())
     assert os.path.getsize(bad) == len(b"not a pool")
+
+
+def test_the_server_flag_chooses_the_products_dtype():
+    from sglang_kvshare.config import KVShareArgs
+    from sglang_kvshare.integration.session import Session
+    from sglang_kvshare.lowrank import native_bfloat16
+
+    auto = torch.bfloat16 if native_bfloat16("cpu") else torch.float32
+    for flag, want in (("auto", auto), ("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        session = Session(KVShareArgs(anchor_compute_dtype=flag))
+        assert session.corrector("kvcmas").config.compute_dtype == want
