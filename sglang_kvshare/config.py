@@ -62,7 +62,7 @@ class KVShareArgs:
     )
     anchor_compute_dtype: str = _flag(
         "auto",
-        "input dtype of the correction's gate and delta products (float32 accumulation); auto: "
+        "dtype of the correction's gate and delta matrix products (everything else is float32); auto: "
         "bfloat16 where its products are native (CUDA, CPUs with AVX512-BF16 or AMX), else float32",
         choices=lambda: ["auto", "float32", "bfloat16"],
     )

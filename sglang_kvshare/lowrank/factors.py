@@ -171,8 +171,9 @@ class FactorBatch:
     block of layers is one batched product, not a loop over layers and members. Dense members
     are stacked apart. All results are float32. Reads the factors, never mutates them.
 
-    ``compute_dtype`` bfloat16 runs those products on bfloat16 inputs (float32 accumulation,
-    the rest in float32): on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and on
+    ``compute_dtype`` bfloat16 runs those products in bfloat16 (inputs and results rounded to
+    it, the sums inside a product kept in float32 by oneDNN / cuBLAS; everything around the
+    products stays float32): on CPUs with native bfloat16 dot products (AVX512-BF16, AMX) and on
     CUDA they are 2-3x faster than float32 (``native_bfloat16``).
     """
 
@@ -227,8 +228,8 @@ class FactorBatch:
         Low-rank members are never reconstructed: with P = x B^T and orthonormal rows of B,
         ||x - A B||^2 = (||x||^2 - ||P||^2) + ||P - A||^2 per row (the part of x outside B's
         row space, plus the distance within it), so the cost is one [k, D] @ [D, N r] product
-        per layer and the memory O(N k r), not O(N k D). The product runs in ``compute_dtype``
-        (its inputs rounded, accumulated in float32); the sums in float32."""
+        per layer and the memory O(N k r), not O(N k D). The product runs in ``compute_dtype``;
+        the norms and differences in float32."""
         x = x.float()
         c, k, _ = x.shape
         low = None
