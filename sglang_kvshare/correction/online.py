@@ -177,6 +177,7 @@ class AnchorPoolCorrector(Corrector):
             num_slots=len(self._pools),
             num_anchors=sum(len(p) for p in self._pools.values()),
             nbytes=self.nbytes(),
+            compute_dtype=str(self.config.compute_dtype).removeprefix("torch."),
         )
         return out
 

@@ -227,3 +227,4 @@ def test_the_server_flag_chooses_the_products_dtype():
     for flag, want in (("auto", auto), ("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         session = Session(KVShareArgs(anchor_compute_dtype=flag))
         assert session.corrector("kvcmas").config.compute_dtype == want
+        assert session.stats()["correctors"]["kvcmas"]["compute_dtype"] == str(want).removeprefix("torch.")
