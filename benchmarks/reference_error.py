@@ -3,8 +3,10 @@ fig. 3): the relative KV error of agent 1's question slot, over MMLU tasks, when
 (a) from agent 0's cache (fullshared), (b) corrected from it (chained KVCMAS), (c) from the
 context-free reference as the engine prefills it today (the question alone) and under other
 neutral prefixes, uncorrected and corrected by the non-chained KVCMAS corrector. Anchors of each
-task are the other tasks' observations (up to 10), every gate open (tau 1). HF transformers on
-the default model, float32, no server.
+task are the other tasks' observations (up to 10), every gate open (tau 1). The chained
+correction also runs at other temperatures T of its token weights (eq. 8; the default is 1):
+T -> 0 takes each token's delta from its nearest anchor, a large T averages all anchors' deltas.
+HF transformers on the default model, float32, no server.
 
     python -m benchmarks.reference_error [N_TASKS]
 """
@@ -61,6 +63,9 @@ def err(a, b):
     return float((num / (b.k.square().sum() + b.v.square().sum())).sqrt())
 
 
+TEMPERATURES = (0.03, 0.1, 0.3, 1.0, 3.0, 100.0)
+
+
 def main():
     hf = HFModel()
     roles = get_roles("mmlu").roles
@@ -83,11 +88,13 @@ def main():
     for i, (c0, c1, refs) in enumerate(data):
         others = [d for j, d in enumerate(data) if j != i][:10]
         rows["fullshared (agent 0's cache)"].append(err(c0, c1))
-        ch = KVCMASCorrector()
-        for o0, o1, _ in others:
-            ch.observe("q", "a0", "a1", o0, o1)
-        r = ch.correct("q", "a0", "a1", c0, tau=1.0)
-        rows["kvcmas chained"].append(err(r.kv, c1) if r.accepted else float("nan"))
+        for T in TEMPERATURES:
+            ch = KVCMASCorrector(temperature=T)
+            for o0, o1, _ in others:
+                ch.observe("q", "a0", "a1", o0, o1)
+            r = ch.correct("q", "a0", "a1", c0, tau=1.0)
+            name = "kvcmas chained" + ("" if T == KVCMASCorrector.default_config.temperature else f", T = {T}")
+            rows.setdefault(name, []).append(err(r.kv, c1) if r.accepted else float("nan"))
         for n in PREFIXES:
             rows[f"ref {n}, uncorrected"].append(err(refs[n], c1))
             nc = KVCMASNonChainedCorrector()

@@ -65,31 +65,26 @@ def test_bfloat16_products_stay_within_bfloat16_rounding_of_the_float32_math():
         FactorBatch(members, k, torch.float16)
 
 
+def _corrected(**config):
+    """The correction of one segment by a kvcmas corrector of ``config`` that observed three."""
+    c = create_corrector("kvcmas", tau=1.0, rank_base=4, rank_delta=4, **config)
+    for i in range(3):
+        base = _kv(40, 20 + i)
+        c.observe("q", "a", "b", base, SegmentKV(base.k + 0.1, base.v - 0.1))
+    return c.correct("q", "a", "b", _kv(40, 10))
+
+
 def test_bfloat16_products_change_the_correction_little():
-    src = _kv(40, 10)
-    results = []
-    for dtype in (torch.float32, torch.bfloat16):
-        c = create_corrector("kvcmas", tau=1.0, rank_base=4, rank_delta=4, compute_dtype=dtype)
-        for i in range(3):
-            base = _kv(40, 20 + i)
-            c.observe("q", "a", "b", base, SegmentKV(base.k + 0.1, base.v - 0.1))
-        results.append(c.correct("q", "a", "b", src))
-    assert results[0].entropy == pytest.approx(results[1].entropy, abs=1e-2)
+    exact, fast = _corrected(compute_dtype=torch.float32), _corrected(compute_dtype=torch.bfloat16)
+    assert exact.entropy == pytest.approx(fast.entropy, abs=1e-2)
     for which in ("k", "v"):
-        exact, fast = getattr(results[0].delta, which), getattr(results[1].delta, which)
-        assert 0 < float((exact - fast).norm() / exact.norm()) < 1e-2
+        a, b = getattr(exact.delta, which), getattr(fast.delta, which)
+        assert 0 < float((a - b).norm() / a.norm()) < 1e-2
 
 
 def test_half_precision_factors_change_the_correction_little():
-    src = _kv(40, 10)
-    results = []
-    for dtype in (torch.float32, torch.float16):
-        c = create_corrector("kvcmas", tau=1.0, rank_base=4, rank_delta=4, factor_dtype=dtype)
-        for i in range(3):
-            base = _kv(40, 20 + i)
-            c.observe("q", "a", "b", base, SegmentKV(base.k + 0.1, base.v - 0.1))
-        results.append(c.correct("q", "a", "b", src).kv)
-    err = (results[0].v - results[1].v).norm() / results[0].v.norm()
+    exact, half = _corrected(factor_dtype=torch.float32).kv, _corrected(factor_dtype=torch.float16).kv
+    err = (exact.v - half.v).norm() / exact.v.norm()
     assert 0 < err < 1e-3
 
 
