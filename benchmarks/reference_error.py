@@ -12,6 +12,7 @@ HF transformers on the default model, float32, no server.
 """
 import json
 import sys
+from dataclasses import replace
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,10 +89,11 @@ def main():
     for i, (c0, c1, refs) in enumerate(data):
         others = [d for j, d in enumerate(data) if j != i][:10]
         rows["fullshared (agent 0's cache)"].append(err(c0, c1))
-        for T in TEMPERATURES:
-            ch = KVCMASCorrector(temperature=T)
-            for o0, o1, _ in others:
-                ch.observe("q", "a0", "a1", o0, o1)
+        ch = KVCMASCorrector()
+        for o0, o1, _ in others:
+            ch.observe("q", "a0", "a1", o0, o1)
+        for T in TEMPERATURES:  # the token weights' temperature is read at correct() only
+            ch.config = replace(ch.config, temperature=T)
             r = ch.correct("q", "a0", "a1", c0, tau=1.0)
             name = "kvcmas chained" + ("" if T == KVCMASCorrector.default_config.temperature else f", T = {T}")
             rows.setdefault(name, []).append(err(r.kv, c1) if r.accepted else float("nan"))

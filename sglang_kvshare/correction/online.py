@@ -286,11 +286,15 @@ class AnchorPoolCorrector(Corrector):
         return factorize(Z, rank, dtype)
 
     # ---- the math (public for tests and benchmarks) --------------------------------------
+    def _batch(self, factors: List, k: int) -> FactorBatch:
+        """The members' factors of one kind, used together over their first k rows."""
+        return FactorBatch(factors, k, self.config.compute_dtype)
+
     def _value_distances(self, base: SegmentKV, members: List[Anchor], k: int):
         """(sq [N]: eq. 9 squared, dist [N, n_layers, k]: per-token RMS distance of the values)."""
         sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
         dist = torch.empty(len(members), base.num_layers, k, dtype=torch.float32, device=base.v.device)
-        bases = FactorBatch([a.base_v for a in members], k, self.config.compute_dtype)
+        bases = self._batch([a.base_v for a in members], k)
         for layers in _blocks(base.num_layers):
             d2 = bases.sq_distances(base.v[layers, :k], layers)  # [N, c, k]
             sq += d2.sum((1, 2))
@@ -324,11 +328,8 @@ class AnchorPoolCorrector(Corrector):
         n_layers, D = base.num_layers, base.dim
         out_k = torch.empty(n_layers, k, D, dtype=torch.float32, device=base.k.device)
         out_v = torch.empty_like(out_k)
-        bases_k = FactorBatch([a.base_k for a in members], k, self.config.compute_dtype)
-        deltas = [
-            FactorBatch([a.deltas[target_agent][which] for a in members], k, self.config.compute_dtype)
-            for which in (0, 1)
-        ]
+        bases_k = self._batch([a.base_k for a in members], k)
+        deltas = [self._batch([a.deltas[target_agent][which] for a in members], k) for which in (0, 1)]
         for layers in _blocks(n_layers):
             dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
             for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
