@@ -113,7 +113,7 @@ class AttentionReader:
     def prompt(self, run: Dict[str, Any], turn: Dict[str, Any]):
         """The turn's prompt ids and spans, tokenised as the server does (exact output ids for
         the ``out:<agent>`` slots)."""
-        from sglang_kvshare.integration.http_annotate import exact_output_ids, special_prefix
+        from sglang_kvshare.integration.server.annotate import exact_output_ids, special_prefix
         from sglang_kvshare.segments import parse_annotation, tokenize_segments
 
         outputs = {t["agent"]: t for t in run["turns"]}

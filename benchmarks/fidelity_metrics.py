@@ -17,7 +17,7 @@ REUSED_MODES = ("injected", "corrected", "recomputed")
 
 def safe_name(name: str) -> str:
     """Directory/file name of a workflow, agent or slot in the dump dir (mirrors
-    ``sglang_kvshare.integration.tree._safe``, which we do not import: it pulls in SGLang)."""
+    ``sglang_kvshare.integration.cache.radix._safe``, which we do not import: it pulls in SGLang)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 

@@ -16,6 +16,9 @@ import sys
 from typing import Sequence
 
 from sglang_kvshare.config import ENV_VAR, KVShareArgs
+from sglang_kvshare.correction import warm_start
+from sglang_kvshare.correction.store import AnchorPoolFileError
+from sglang_kvshare.lora_cache.targets import check_lora_paths
 
 PROG = "python -m sglang_kvshare.launch_server"
 
@@ -135,11 +138,9 @@ def split_args(argv: Sequence[str]) -> tuple[KVShareArgs, list[str]]:
     return KVShareArgs.from_cli_args(ns), rest
 
 
-def print_help() -> None:
-    from sglang.srt.server_args import ServerArgs
-
+def print_help(launch) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    ServerArgs.add_cli_args(parser)
+    launch.add_server_cli_args(parser)
     KVShareArgs.add_cli_args(parser)
     parser.print_help()
 
@@ -161,52 +162,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         from sglang_kvshare.integration import cpu_shims
 
         cpu_shims.install()
+    from sglang_kvshare.integration import launch  # SGLang's modules: after the CPU shims
 
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
+    launch.load_plugins()
     if help_asked:
-        print_help()
+        print_help(launch)
         return
-
-    from sglang.launch_server import run_server
-    from sglang.srt.entrypoints.http_server import app
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    from sglang_kvshare.correction.store import AnchorPoolFileError
-    from sglang_kvshare.integration import anchor_file, http
-    from sglang_kvshare.integration.hook_targets import check_hook_targets
-
     try:  # an SGLang whose hooked functions changed stops here, naming the function
-        check_hook_targets()
+        launch.check_hook_targets()
     except RuntimeError as e:
         sys.exit(f"{PROG}: {e}")
-    http.install(app, kv_args)
+    launch.install_middleware(kv_args)
     sglang_argv = with_defaults(rest, cuda)
     if kv_args.anchor_pool or kv_args.anchor_pool_seed:
         try:
-            model = anchor_file.check_file(kv_args, flag_value(sglang_argv, "--model-path"))
+            model = warm_start.check_file(kv_args, flag_value(sglang_argv, "--model-path"))
         except AnchorPoolFileError as e:  # the message starts with the flag
             sys.exit(f"{PROG}: {e}")
-        os.environ[anchor_file.MODEL_ENV] = json.dumps(model)
+        os.environ[warm_start.MODEL_ENV] = json.dumps(model)
     print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest):])}", file=sys.stderr, flush=True)
-    server_args = prepare_server_args(sglang_argv)
+    server_args = launch.prepare_server_args(sglang_argv)
     if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
         sys.exit("--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
                  "--attention-backend kvshare_torch (the backend that holds the LR pool)")
     if kv_args.lr_cache:
-        from sglang_kvshare.lora_cache.targets import check_lora_paths
-
         problems = check_lora_paths(server_args.lora_paths)
         if problems:
             sys.exit(f"{PROG}: " + f"\n{PROG}: ".join(problems))
-    try:
-        run_server(server_args)
-    finally:
-        if kv_args.anchor_pool:  # the schedulers save their anchor pools when told to stop
-            anchor_file.stop_children()
-        kill_process_tree(os.getpid(), include_parent=False)
+    launch.serve(server_args, save_anchor_pools=bool(kv_args.anchor_pool))
 
 
 if __name__ == "__main__":

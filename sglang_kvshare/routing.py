@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
+from sglang_kvshare.segments.wire import KEY
+
 # The router's own routing-key header (smg and sglang-router; header names are case-insensitive).
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
 def workflow_of(payload: Mapping[str, Any]) -> Optional[str]:
     """``kvshare.workflow`` of a /generate or chat body (None when it has no usable one)."""
-    kv = payload.get("kvshare") if isinstance(payload, Mapping) else None
+    kv = payload.get(KEY) if isinstance(payload, Mapping) else None
     if not isinstance(kv, Mapping):
         return None
     workflow = kv.get("workflow")

@@ -19,7 +19,8 @@ from typing import ClassVar, Dict, Optional
 
 import torch
 
-from sglang_kvshare.correction.online import AnchorPoolConfig, AnchorPoolCorrector, Edge
+from sglang_kvshare.correction.online import AnchorPoolConfig, AnchorPoolCorrector
+from sglang_kvshare.correction.online_math import Edge
 from sglang_kvshare.lowrank import Factor, effective_rank, factorize, truncated_svd
 
 

@@ -1,5 +1,6 @@
 """Online anchor-pool correction, shared by KVCMAS (low-rank, chained) and KVComm (full-rank,
-context-free reference). One ``AnchorPool`` per slot, process-wide.
+context-free reference): its configuration, the prepared observation and the corrector (pools,
+gate decision, observe). One ``AnchorPool`` per slot, process-wide.
 
 For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
 1. base = the source cache C_i (chained) or the context-free reference C_ref (non-chained).
@@ -23,9 +24,8 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
    ``observe`` = ``record(prepare(...))``: ``prepare`` does the factorisation (the expensive,
    pure part) and may run on another thread; ``record`` only changes the pools.
 
-Steps 4 and 5 run batched over all members and a block of layers at a time
-(``lowrank.FactorBatch``): one pass over the value states gives both the gate distances and the
-value weights.
+The math of steps 4 and 5 (gate distances, the delta estimate), batched over members and
+layers, is ``online_math.AnchorPoolMath``, a base of ``AnchorPoolCorrector``.
 """
 
 from __future__ import annotations
@@ -39,24 +39,14 @@ import torch
 from sglang_kvshare.correction.base import (
     CorrectionResult,
     Corrector,
-    KVDelta,
     SegmentKV,
     apply_delta,
     check_pair,
 )
-from sglang_kvshare.correction.gate import gate, token_weights
+from sglang_kvshare.correction.gate import gate
+from sglang_kvshare.correction.online_math import AnchorPoolMath, Edge
 from sglang_kvshare.correction.pool import Anchor, AnchorPool, bytes_per_token, fingerprint
-from sglang_kvshare.lowrank import Factor, FactorBatch, factorize
-
-
-Edge = Tuple[str, str, str]  # (slot, source agent, target agent)
-
-_LAYERS_PER_BLOCK = 1  # layers batched together (transient memory O(block x N x k x r))
-
-
-def _blocks(num_layers: int):
-    for lo in range(0, num_layers, _LAYERS_PER_BLOCK):
-        yield slice(lo, min(lo + _LAYERS_PER_BLOCK, num_layers))
+from sglang_kvshare.lowrank import Factor, factorize
 
 
 @dataclass(frozen=True)
@@ -107,7 +97,7 @@ class Observation:
     raw_delta: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
-class AnchorPoolCorrector(Corrector):
+class AnchorPoolCorrector(AnchorPoolMath, Corrector):
     """Online anchor matching with an entropy gate; see the module docstring for the algorithm."""
 
     name: ClassVar[str] = "anchor_pool"
@@ -284,65 +274,3 @@ class AnchorPoolCorrector(Corrector):
         """Storage form of a base ("base") or delta ("delta") stack [n_layers, L, D]."""
         rank = self.config.rank_base if kind == "base" else self.config.rank_delta
         return factorize(Z, rank, dtype)
-
-    # ---- the math (public for tests and benchmarks) --------------------------------------
-    def _batch(self, factors: List, k: int) -> FactorBatch:
-        """The members' factors of one kind, used together over their first k rows."""
-        return FactorBatch(factors, k, self.config.compute_dtype)
-
-    def _value_distances(self, base: SegmentKV, members: List[Anchor], k: int):
-        """(sq [N]: eq. 9 squared, dist [N, n_layers, k]: per-token RMS distance of the values)."""
-        sq = torch.zeros(len(members), dtype=torch.float32, device=base.v.device)
-        dist = torch.empty(len(members), base.num_layers, k, dtype=torch.float32, device=base.v.device)
-        bases = self._batch([a.base_v for a in members], k)
-        for layers in _blocks(base.num_layers):
-            d2 = bases.sq_distances(base.v[layers, :k], layers)  # [N, c, k]
-            sq += d2.sum((1, 2))
-            dist[:, layers] = (d2 / base.dim).sqrt()
-        return sq, dist
-
-    def _gate_scaled(self, d: torch.Tensor) -> torch.Tensor:
-        if self.config.gate_scale == "relative":
-            from sglang_kvshare.correction.gate import relative_distances
-
-            return relative_distances(d)
-        return d
-
-    def gate_distances(self, base: SegmentKV, members: List[Anchor], k: int) -> torch.Tensor:
-        """Eq. 9: [N] float32 Frobenius distance over all layers of the first k value rows."""
-        return self._value_distances(base, members, k)[0].sqrt()
-
-    def apply(
-        self, base: SegmentKV, members: List[Anchor], target_agent: str, k: int, edge: Optional[Edge] = None
-    ) -> SegmentKV:
-        """Corrected copy of ``base``: rows :k get the token-weighted anchor deltas (eq. 8)."""
-        _, dist_v = self._value_distances(base, members, k)
-        return apply_delta(base, base, self._delta(base, members, target_agent, k, dist_v, edge), k)
-
-    def _delta(
-        self, base: SegmentKV, members: List[Anchor], target_agent: str, k: int, dist_v: torch.Tensor,
-        edge: Optional[Edge],
-    ) -> KVDelta:
-        """The estimated correction of rows :k (eq. 8), [n_layers, k, D] per keys and values."""
-        T = self.config.temperature
-        n_layers, D = base.num_layers, base.dim
-        out_k = torch.empty(n_layers, k, D, dtype=torch.float32, device=base.k.device)
-        out_v = torch.empty_like(out_k)
-        bases_k = self._batch([a.base_k for a in members], k)
-        deltas = [self._batch([a.deltas[target_agent][which] for a in members], k) for which in (0, 1)]
-        for layers in _blocks(n_layers):
-            dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
-            for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
-                mix = deltas[which].mix(token_weights(dist, T), layers)  # [c, k, D]
-                out[layers] = self._combine(mix, edge, layers, which, k)
-        for layer in self.config.skip_layers:
-            if layer < n_layers:
-                out_k[layer] = 0.0
-                out_v[layer] = 0.0
-        return KVDelta(out_k, out_v)
-
-    def _combine(
-        self, mix: torch.Tensor, edge: Optional[Edge], layers: slice, which: int, k: int
-    ) -> torch.Tensor:
-        """Final delta [c, k, D] of a block of layers (which: 0 keys, 1 values) from the mix."""
-        return mix

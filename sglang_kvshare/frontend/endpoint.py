@@ -14,6 +14,7 @@ import requests
 
 from sglang_kvshare.frontend.markup import _MARKER_RE, MarkupError, build_request, kvshare_meta, plain_text
 from sglang_kvshare.routing import routing_headers
+from sglang_kvshare.segments.wire import KEY
 
 
 _DEFAULT_TEMPLATES = (("smollm", "chatml"),)
@@ -120,8 +121,8 @@ class KVShareEndpoint(RuntimeEndpoint):
                     break
                 obj = json.loads(chunk[5:].strip("\n"))
                 meta = dict(obj["meta_info"])
-                if "kvshare" in meta:
-                    meta["kvshare"] = kvshare_meta(meta)
+                if KEY in meta:
+                    meta[KEY] = kvshare_meta(meta)
                 piece = obj["text"][pos:]
                 pos += len(piece)
                 yield piece, meta

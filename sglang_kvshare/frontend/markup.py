@@ -10,12 +10,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from sglang.lang.ir import SglConstantText, SglExprList, SglRoleBegin, SglRoleEnd
 
+from sglang_kvshare.segments.wire import KEY, one_record, output_slot
+
 # Unicode private-use characters: never produced by tokenizers' decoders for real text.
 AGENT_OPEN, AGENT_CLOSE = "\ue000", "\ue001"
 SHARED_OPEN, SLOT_END, SHARED_CLOSE = "\ue002", "\ue003", "\ue004"
 _MARKERS = AGENT_OPEN + AGENT_CLOSE + SHARED_OPEN + SLOT_END + SHARED_CLOSE
 _MARKER_RE = re.compile(f"[{_MARKERS}]")
-OUTPUT_SLOT_PREFIX = "out:"
 
 
 class MarkupError(ValueError):
@@ -52,7 +53,7 @@ def shared(text: str, slot: str) -> str:
 def agent_output(agent: str, text: str) -> str:
     """An earlier agent's output as the shared slot ``out:<agent>``. Pass the generated text
     unchanged (e.g. ``state["answer"]``) so the server can use that agent's exact output tokens."""
-    return shared(text, OUTPUT_SLOT_PREFIX + agent)
+    return shared(text, output_slot(agent))
 
 
 def agent_role(
@@ -186,16 +187,12 @@ def build_request(
         ann["method"] = method
     if header.sources:
         ann["sources"] = dict(header.sources)
-    body: Dict[str, Any] = {"sampling_params": sampling, "kvshare": ann}
+    body: Dict[str, Any] = {"sampling_params": sampling, KEY: ann}
     if header.lora_path is not None:
         body["lora_path"] = header.lora_path
     return body
 
 
 def kvshare_meta(meta_info: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """``meta_info["kvshare"]`` as a dict ({} if absent). Streamed chunks currently carry it as a
-    one-element list; this unwraps it."""
-    kv = (meta_info or {}).get("kvshare") or {}
-    if isinstance(kv, list):
-        kv = kv[0] if kv else {}
-    return dict(kv)
+    """``meta_info["kvshare"]`` as a dict ({} if absent; a list of records is collapsed to one)."""
+    return dict(one_record((meta_info or {}).get(KEY)) or {})

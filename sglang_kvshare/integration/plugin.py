@@ -1,73 +1,62 @@
-"""The ``sglang.srt.plugins`` entry point: registers everything the plugin adds to SGLang.
+"""The ``sglang.srt.plugins`` entry point and the plugin's composition root (nothing imports it).
 
-SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It registers the
-``kvshare`` radix-cache backend, the ``kvshare_torch`` attention backend and the HookRegistry
-hooks (scheduler side: segment-wise prefill, the LR cache's LoRA hooks, ReBaseShared's double
-batching, its own-LR-column copies and the decoder-layer hook of selective recomputation; tokenizer side: the
-``meta_info.kvshare`` record).
-
-The registration is the plugin's only module-level state: whether it is loaded, the process's
-:class:`~sglang_kvshare.integration.session.Session` (scheduler process; created on first use,
-from the ``--kvshare-*`` configuration the launcher put in the environment) and the ``kvshare_*``
-metrics (HTTP process).
+SGLang calls :func:`load` in its main, scheduler and detokenizer processes. It builds the
+process's :class:`~sglang_kvshare.integration.state.session.Session` (from the ``--kvshare-*``
+configuration the launcher put in the environment) and hands it to everything that needs it: the
+scheduler-side and model-side hooks (``hooks.SCHEDULER_HOOKS``), the ``kvshare`` radix-cache
+backend (with the scheduler's release step) and the ``kvshare_torch`` attention backend, which
+SGLang constructs in the scheduler process. The HTTP process's hooks get its ``kvshare_*``
+metrics. Whether it is loaded is the only module-level state.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+
+import torch
+from sglang.srt.mem_cache.registry import register_radix_cache_backend
+
+from sglang_kvshare import check_sglang_version
+from sglang_kvshare.config import KVShareArgs
+from sglang_kvshare.integration import hooks
+from sglang_kvshare.integration.cache import radix
+from sglang_kvshare.integration.cpu_shims import unpin_lora
+from sglang_kvshare.integration.model import attention
+from sglang_kvshare.integration.scheduler.anchor_pool_file import AnchorPoolFile
+from sglang_kvshare.integration.scheduler.release import release
+from sglang_kvshare.integration.server.metrics import Metrics
+from sglang_kvshare.integration.state.session import Session
 
 logger = logging.getLogger(__name__)
 
-_REGISTRATION: dict = {"loaded": False, "session": None, "metrics": None}
+_LOADED = False
 
 
-def session():
-    """The plugin's session in this process."""
-    if _REGISTRATION["session"] is None:
-        from sglang_kvshare.config import KVShareArgs
-        from sglang_kvshare.integration.session import Session
-
-        _REGISTRATION["session"] = Session(KVShareArgs.from_env())
-    return _REGISTRATION["session"]
-
-
-def metrics() -> dict:
-    """The ``kvshare_*`` Prometheus metrics of this (HTTP) process, created on first use."""
-    if _REGISTRATION["metrics"] is None:
-        from sglang_kvshare.integration.metrics import create_metrics
-
-        _REGISTRATION["metrics"] = create_metrics()
-    return _REGISTRATION["metrics"]
+def _build_tree(session: Session, ctx):
+    """SGLang's radix-cache factory for ``kvshare``: the tree, then the warm start (the launcher
+    checked the anchor pool file already)."""
+    tree = radix.build(ctx, session, functools.partial(release, session))
+    session.anchor_file.load()
+    session.anchor_file.install_signal_handlers()
+    return tree
 
 
 def load() -> None:
-    if _REGISTRATION["loaded"]:
+    global _LOADED
+    if _LOADED:
         return
-    from sglang_kvshare import check_sglang_version
-
     check_sglang_version()
-    from sglang_kvshare.integration.attention import register_attention
-    from sglang_kvshare.integration.double_batch import register_double_batch_hooks
-    from sglang_kvshare.integration.lr_cache import register_lr_hooks
-    from sglang_kvshare.integration.meta import register_tokenizer_hooks
-    from sglang_kvshare.integration.own_lr import register_own_lr_hooks
-    from sglang_kvshare.integration.recompute_forward import register_recompute_hooks
-    from sglang_kvshare.integration.scheduler_hooks import register_scheduler_hooks
-    from sglang_kvshare.integration.tree import register_tree
-
-    import torch
-
     if not torch.cuda.is_available():
-        from sglang_kvshare.integration.cpu_shims import unpin_lora
-
         unpin_lora()
-    register_tree()
-    register_attention()
-    register_scheduler_hooks()
-    register_lr_hooks()
-    register_double_batch_hooks()
-    register_own_lr_hooks()
-    register_recompute_hooks()
-    register_tokenizer_hooks()
-    _REGISTRATION["loaded"] = True
+    session = Session(KVShareArgs.from_env())
+    session.anchor_file = AnchorPoolFile(session)
+    register_radix_cache_backend(radix.BACKEND_NAME, functools.partial(_build_tree, session))
+    attention.register(session)
+    for hook_set in hooks.SCHEDULER_HOOKS:
+        hook_set.register(session)
+    metrics = Metrics()
+    for hook_set in hooks.SERVER_HOOKS:
+        hook_set.register(metrics)
+    _LOADED = True
     logger.info("sglang_kvshare plugin loaded")

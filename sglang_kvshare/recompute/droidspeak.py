@@ -15,7 +15,9 @@ Ratio 0 is an empty plan; ratio 1 is one group ``[0, num_layers)``, i.e. dense p
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -173,6 +175,20 @@ class DroidSpeakProfile:
         prof = cls(int(state["num_layers"]), relative=bool(state["relative"]))
         prof.sum = torch.as_tensor(state["sum"], dtype=torch.float64).clone()
         prof.num_samples = int(state["num_samples"])
+        return prof
+
+    @classmethod
+    def of_layer_deviation(cls, layer_deviation: Sequence[float]) -> "DroidSpeakProfile":
+        """A profile whose mean layer deviation is ``layer_deviation``."""
+        dev = [float(x) for x in layer_deviation]
+        return cls.from_state_dict({"num_layers": len(dev), "relative": True, "sum": dev, "num_samples": 1})
+
+    @classmethod
+    def load(cls, path: str, num_layers: int) -> "DroidSpeakProfile":
+        """A profile JSON written by ``benchmarks.coverage`` (``{"layer_deviation": [...]}``)."""
+        prof = cls.of_layer_deviation(json.loads(Path(path).read_text())["layer_deviation"])
+        if prof.num_layers != num_layers:
+            raise ValueError(f"DroidSpeak profile {path} has {prof.num_layers} layers, the model has {num_layers}")
         return prof
 
 

@@ -19,20 +19,15 @@ from sglang_kvshare.workflows.roles import (
     lora_conversation_roles,
     with_lora_adapters,
 )
+from sglang_kvshare.workflows.runner import SendFn, TaskRecord, TurnRecord, run_task, run_workflow
 from sglang_kvshare.workflows.task import Task
 from sglang_kvshare.workflows.topology import (
     QUESTION_SLOT,
     TOPOLOGY_NAMES,
-    SendFn,
-    TaskRecord,
     Turn,
-    TurnRecord,
     build_payload,
     build_schedule,
     build_segments,
-    out_slot,
-    run_task,
-    run_workflow,
 )
 from sglang_kvshare.workflows.transport import ServerError, http_sender
 
@@ -58,7 +53,6 @@ __all__ = [
     "get_roles",
     "lora_conversation_roles",
     "http_sender",
-    "out_slot",
     "run_task",
     "run_workflow",
 ]

@@ -31,7 +31,7 @@ def _workflow(server, wf, method, question, agents=("solver", "critic", "final")
 
 
 def _err(server, wf_a, wf_b, agent, slot):
-    from sglang_kvshare.integration.tree import _safe
+    from sglang_kvshare.integration.cache.radix import _safe
 
     def load(wf):
         return torch.load(server.dump_dir / _safe(wf) / _safe(agent) / f"{_safe(slot)}.pt")

@@ -46,7 +46,7 @@ def _token_ids(server, segs) -> list[int]:
 
 
 def _load(server, workflow, agent, slot):
-    from sglang_kvshare.integration.tree import _safe  # same file naming as the server
+    from sglang_kvshare.integration.cache.radix import _safe  # same file naming as the server
 
     return torch.load(server.dump_dir / _safe(workflow) / _safe(agent) / f"{_safe(slot)}.pt")
 

@@ -34,7 +34,7 @@ TIERS = (
 
 @pytest.mark.parametrize("backend,env,flags,tol", TIERS)
 def test_injection_on_a_gpu_attention_backend(tmp_path, tiny_model, backend, env, flags, tol):
-    from sglang_kvshare.integration.tree import _safe
+    from sglang_kvshare.integration.cache.radix import _safe
 
     dumps = tmp_path / "dumps"
     server = kvshare_server(tiny_model, tmp_path / "server.log", "--attention-backend", backend, *flags,

@@ -1,17 +1,16 @@
 """Every SGLang target the plugin hooks or registers into must resolve, and every hooked target
 must still have the parameters its hook relies on: an upstream rename or signature change fails
-here (and at startup, ``hook_targets.check_hook_targets``)."""
+here (and at startup, ``hooks.check_hook_targets``)."""
+
+import dataclasses
 
 import pytest
 
-from sglang_kvshare.integration.hook_targets import (
-    REQUIRED_PARAMS,
-    check_hook_targets,
-    hooked_targets,
-    resolve,
-)
+from sglang_kvshare.integration.hooks import all_hooks, check_hook_targets
+from sglang_kvshare.integration.hookspec import check, resolve
 
-TARGETS = hooked_targets()
+HOOKS = all_hooks()
+TARGETS = [hook.target for hook in HOOKS]
 
 NAMES = [
     "sglang.srt.mem_cache.registry.register_radix_cache_backend",
@@ -35,21 +34,28 @@ def test_target_resolves(target):
     assert resolve(target) is not None
 
 
-def test_every_hooked_target_has_an_expected_signature_and_matches_it():
-    assert set(TARGETS) == set(REQUIRED_PARAMS)
+def test_every_hooked_target_has_one_hook_whose_expected_signature_matches():
+    assert len(TARGETS) == len(set(TARGETS)) == 18
+    assert all(hook.params for hook in HOOKS)
     check_hook_targets()
 
 
 def test_a_changed_signature_fails_with_the_targets_name(monkeypatch):
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
-    target = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
+    hook = next(h for h in HOOKS if h.target == "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req")
     monkeypatch.setattr(PrefillAdder, "add_chunked_req", lambda self, request, limit: None)
     with pytest.raises(RuntimeError, match="PrefillAdder.add_chunked_req has parameters"):
-        check_hook_targets([target])
+        check([hook])
     monkeypatch.delattr(PrefillAdder, "add_chunked_req")
     with pytest.raises(RuntimeError, match="PrefillAdder.add_chunked_req does not exist"):
-        check_hook_targets([target])
+        check([hook])
+
+
+def test_a_target_hooked_twice_is_refused():
+    hook = HOOKS[0]
+    with pytest.raises(RuntimeError, match="hooked twice"):
+        check([hook, dataclasses.replace(hook, fn=lambda *a: None)])
 
 
 def test_admission_record_has_the_fields_we_rebuild():

@@ -52,7 +52,7 @@ def _run(server, wf, method, agents=("solver", "critic", "final"), **extra):
 
 
 def _kv(server, wf, agent="critic", slot="q"):
-    from sglang_kvshare.integration.tree import _safe
+    from sglang_kvshare.integration.cache.radix import _safe
 
     return torch.load(server.dump_dir / _safe(wf) / _safe(agent) / f"{_safe(slot)}.pt")
 
@@ -206,39 +206,9 @@ def test_lora_agents_recompute_under_their_own_adapter(lora_server, method):
 
 
 def test_budget_defaults_follow_the_papers():
-    from sglang_kvshare.integration.recompute_jobs import recompute_ratio
+    from sglang_kvshare.integration.scheduler.recompute_jobs import recompute_ratio
 
     assert recompute_ratio(None, -1.0, lora=False) == 0.1  # rho 0.9, system-prompt agents
     assert recompute_ratio(None, -1.0, lora=True) == 0.3  # PReCache: 30% for LoRA agents
     assert recompute_ratio(None, 0.25, lora=True) == 0.25  # --kvshare-recompute-ratio
     assert recompute_ratio(0.0, 0.25, lora=False) == 0.0  # the request's own budget wins
-
-
-def test_hidden_store_serves_only_fully_captured_matching_tokens():
-    from sglang_kvshare.integration.hidden_store import HiddenStore
-
-    store = HiddenStore(max_bytes=3 * 4 * 5 * 4 + 8)  # this entry and two 4-byte ones
-    entry = store.begin(("wf", "q"), num_layers=3, n=4, hidden=5, dtype=torch.float32, device="cpu")
-    entry.token_ids[:] = torch.tensor([7, 8, 9, 10])
-    entry.filled[:2] = True
-    assert store.get(("wf", "q"), [7, 8]) is entry
-    assert store.get(("wf", "q"), [7, 8, 9]) is None  # row 2 not captured yet
-    assert store.get(("wf", "q"), [7, 9]) is None  # other tokens
-    entry.filled[:] = True
-    assert store.get(("wf", "q"), [7, 8, 9, 10]) is entry
-    assert entry.nbytes == 3 * 4 * 5 * 4
-    for i in range(2):
-        store.begin(("wf", f"s{i}"), 1, 1, 1, torch.float32, "cpu")
-    assert ("wf", "q") in store.items and store.nbytes() == 248
-    store.begin(("wf", "s2"), 1, 1, 1, torch.float32, "cpu")
-    assert ("wf", "q") not in store.items and len(store.items) == 3  # the oldest evicted
-
-
-def test_a_profile_of_the_wrong_model_is_refused(tmp_path):
-    from sglang_kvshare.integration.recompute_jobs import load_profile
-
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps({"layer_deviation": [0.1, 0.2, 0.3]}))
-    assert load_profile(str(path), 3).choose_groups(1 / 3) == ((2, 3),)
-    with pytest.raises(ValueError, match="3 layers, the model has 30"):
-        load_profile(str(path), 30)

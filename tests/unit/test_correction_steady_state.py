@@ -215,7 +215,7 @@ def test_pool_file_round_trip_and_refusals(tmp_path):
 
 def test_the_server_flag_chooses_the_products_dtype():
     from sglang_kvshare.config import KVShareArgs
-    from sglang_kvshare.integration.session import Session
+    from sglang_kvshare.integration.state.session import Session
     from sglang_kvshare.lowrank import native_bfloat16
 
     auto = torch.bfloat16 if native_bfloat16("cpu") else torch.float32

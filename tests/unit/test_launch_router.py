@@ -61,7 +61,7 @@ def model_dirs(tmp_path):
 def test_a_seed_must_exist_and_fit_the_server(tmp_path, model_dirs):
     from sglang_kvshare.config import KVShareArgs
     from sglang_kvshare.correction import store
-    from sglang_kvshare.integration.anchor_file import check_file, header, load_path, model_identity
+    from sglang_kvshare.correction.warm_start import check_file, header, load_path, model_identity
 
     a, b = model_dirs
     seed = tmp_path / "seed.pt"

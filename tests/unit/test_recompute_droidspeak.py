@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -110,3 +112,11 @@ def test_state_dict_roundtrip():
     assert torch.equal(again.layer_deviation(), prof.layer_deviation())
     with pytest.raises(ValueError):
         DroidSpeakProfile(3).layer_deviation()
+
+
+def test_a_profile_of_the_wrong_model_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"layer_deviation": [0.1, 0.2, 0.3]}))
+    assert DroidSpeakProfile.load(str(path), 3).choose_groups(1 / 3) == ((2, 3),)
+    with pytest.raises(ValueError, match="3 layers, the model has 30"):
+        DroidSpeakProfile.load(str(path), 30)

@@ -12,7 +12,8 @@ import pytest
 
 from benchmarks.scoring import score_output
 from sglang_kvshare.workflows.roles import PLAIN, get_roles, lora_conversation_roles, with_lora_adapters
-from sglang_kvshare.workflows.topology import build_schedule, build_segments, run_task, run_workflow
+from sglang_kvshare.workflows.runner import run_task, run_workflow
+from sglang_kvshare.workflows.topology import build_schedule, build_segments
 from sglang_kvshare.workflows.transport import ServerError, http_sender
 from sglang_kvshare.workflows.task import Task
 

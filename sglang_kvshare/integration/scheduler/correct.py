@@ -1,0 +1,182 @@
+"""Correction methods (KVCMAS, KVComm, GraphFlow, ...) applied inside the engine.
+
+Between two prefill chunks, for a shared segment with a source cache:
+1. gather the source's (and, for non-chained methods, the context-free reference's) K/V from the
+   tree into canonical coordinates (keys rotated back so the segment starts at position 0);
+2. ``Corrector.correct`` with the gate threshold of the method's ``TauController``: accepted ->
+   the corrected cache is rotated to the request's positions and written into new slots, which
+   become prefix of the next chunk (mode ``corrected``); rejected -> the segment is prefilled
+   densely (mode ``dense_fallback``) and, when the request is released, its exact K/V are handed
+   to the ``Observer``, which factorises them beside the scheduler into a new anchor.
+   A sampled fraction of accepted corrections (``--kvshare-shadow-fraction``) is computed
+   densely too: the corrected cache's error against the exact one goes to the controller.
+
+On CUDA the write is the fused ``kernels.kv_correct`` (gather, re-align, add the delta, write);
+on the CPU the corrected cache is materialised and written with one rotation for all layers.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang_kvshare.correction import SegmentKV
+from sglang_kvshare.correction.base import apply_delta
+from sglang_kvshare.integration.cache.kv_io import (
+    InjectResult,
+    alloc_slots,
+    gather_canonical,
+    kv_bytes_per_token,
+    kv_layers,
+    read_source,
+    write_canonical,
+)
+from sglang_kvshare.kernels.kv_correct import kv_correct
+from sglang_kvshare.lowrank import LowRank
+from sglang_kvshare.rope import RopeSpec
+from sglang_kvshare.segments import Span
+from sglang_kvshare.segments.sources import SourceRecord
+
+
+@dataclass
+class PendingObservation:
+    """What ``observe`` needs after a dense fallback, kept until the exact KV exists.
+
+    shadow: for a shadowed accepted correction, the corrected cache to measure (and the gate
+    entropy it was accepted with)."""
+
+    source_agent: str
+    source: SegmentKV
+    reference: Optional[SegmentKV]
+    num_tokens: int
+    shadow: Optional[SegmentKV] = None
+    entropy: Optional[float] = None
+
+
+@torch.no_grad()
+def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: int, rope: RopeSpec) -> None:
+    """``kernels.kv_correct`` per layer: slot ``rows[t]`` (cached at position ``positions[t]``)
+    moved to ``start + t``, plus ``delta`` (canonical, rows ``:corrected_len``), into ``dst[t]``.
+    The dense delta enters the kernel as A = delta, B = I."""
+    n = len(dst)
+    layers = list(kv_layers(pool))
+    H, D = layers[0][0].shape[1:]
+    eye = torch.eye(H * D, device=layers[0][0].device)
+    src, dst = rows.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+    shift = (start + torch.arange(n, device=positions.device) - positions).to(torch.int64)
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        dk = torch.zeros(n, H * D, device=k_buf.device)
+        dv = torch.zeros_like(dk)
+        dk[:corrected_len] = delta.k[layer, :corrected_len]
+        dv[:corrected_len] = delta.v[layer, :corrected_len]
+        kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)
+
+
+def correct_segment(
+    ses, scheduler, req, st, index: int, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec, corrector,
+    fused: Optional[bool] = None,
+) -> Optional[InjectResult]:
+    """Correct and inject ``num_tokens`` of ``span``; None when the segment is to be computed.
+
+    Records the gate outcome in ``st.corrections[index]`` and, on a rejection (or a shadowed
+    acceptance), a ``PendingObservation`` in ``st.pending[index]``. ``fused``: write through
+    ``kernels.kv_correct`` (default: when the KV pool is on CUDA).
+    """
+    t0 = time.perf_counter()
+    tree = scheduler.tree_cache
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    ref_rec = st.reference(ses.registry, span.slot) if st.method.needs_reference else None
+    with ExitStack() as held:
+        src = held.enter_context(read_source(tree, rec, num_tokens, whole=True))
+        if src is None:
+            return None
+        ref = None
+        if st.method.needs_reference:
+            ref = None if ref_rec is None else held.enter_context(read_source(tree, ref_rec, num_tokens, whole=True))
+            if ref is None:
+                return None
+        source = gather_canonical(pool, src, rec.start, rope)
+        reference = gather_canonical(pool, ref, ref_rec.start, rope) if ref is not None else None
+        if fused is None:
+            fused = src.is_cuda
+        controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
+        tau = st.spec.tau if st.spec.tau is not None else controller.tau()
+        result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
+                                   materialize=False, tau=tau)
+        if result.entropy is not None:
+            controller.observe_gate(result.entropy, num_tokens)
+        record = {
+            "gate": result.reason,
+            "entropy": None if result.entropy is None else round(float(result.entropy), 6),
+            "tau": round(float(tau), 6),
+            "anchors": result.num_anchors,
+            "corrected_rows": result.corrected_len,
+        }
+        if result.anchor_bytes_per_token is not None:
+            record["anchor_bytes_per_token"] = round(result.anchor_bytes_per_token, 1)
+        st.kv_bytes_per_token = kv_bytes_per_token(pool)
+        st.corrections[index] = record
+        shadow = result.accepted and ses.args.shadow_fraction > 0 and ses.rng.random() < ses.args.shadow_fraction
+        if not result.accepted or shadow:
+            corrected = None
+            if shadow:
+                record["shadow"] = True
+                corrected = apply_delta(reference or source, source, result.delta, result.corrected_len)
+            st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
+            return None
+        dst = alloc_slots(scheduler, req, span.start, num_tokens)
+        if dst is None:
+            return None
+        if fused:
+            k = result.corrected_len
+            base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
+            rows = torch.cat([base_idx[:k], src[k:num_tokens]])
+            ar = torch.arange(num_tokens, device=rows.device)
+            positions = torch.where(ar < k, base_start + ar, rec.start + ar)
+            write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
+        else:  # the gathered source is ours: correct it in place and write it
+            kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
+            write_canonical(pool, dst, kv, span.start, rope)
+    st.correction_ms += 1000.0 * (time.perf_counter() - t0)
+    return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
+
+
+def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
+    """||approx - exact||_F / ||exact||_F over keys and values together."""
+    num = (approx.k.float() - exact.k.float()).square().sum() + (approx.v.float() - exact.v.float()).square().sum()
+    den = exact.k.float().square().sum() + exact.v.float().square().sum()
+    return float((num / den.clamp_min(1e-30)).sqrt())
+
+
+def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:
+    """After a released request's dense fallbacks: hand their exact K/V (the first ``owned``
+    tokens of the request are cached) to the corrector, through the observer."""
+    if not st.pending:
+        return
+    corrector = ses.corrector(st.method.corrector)
+    controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
+    pool = tree.token_to_kv_pool_allocator.get_kvcache()
+    row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+    for index, obs in st.pending.items():
+        span = st.spec.spans[index]
+        if span.start + obs.num_tokens > owned:
+            continue
+        idx = row[span.start : span.start + obs.num_tokens]
+        target = gather_canonical(pool, idx, span.start, rope)
+        if obs.shadow is not None:
+            error = relative_error(obs.shadow, target)
+            controller.observe_error(obs.entropy, error)
+            st.corrections[index]["shadow_error"] = round(error, 6)
+
+        def record(prepared, corrector=corrector):
+            ses.enforce_anchor_budget(keep=[corrector.record(prepared)])
+
+        ses.observer.submit(
+            corrector, (span.slot, obs.source_agent, st.spec.agent, obs.source, target, obs.reference), record
+        )
+    st.pending.clear()
+    st.anchor_bytes = corrector.nbytes()

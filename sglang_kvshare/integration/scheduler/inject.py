@@ -1,0 +1,57 @@
+"""Writing a source agent's cached K/V of a shared segment into a request's KV slots.
+
+Called from the scheduler between two prefill chunks of the request (see ``prefill.py``), so
+the injected slots count as prefix for the next chunk. Keys are moved to the new positions
+with an exact RoPE rotation (``sglang_kvshare.rope``); values are copied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sglang_kvshare.integration.cache.kv_io import (
+    InjectResult,
+    alloc_slots,
+    gather_aligned,
+    kv_layers,
+    read_source,
+    write_layers,
+)
+from sglang_kvshare.kernels.kv_correct import kv_correct
+from sglang_kvshare.rope import RopeSpec
+from sglang_kvshare.segments import Span
+from sglang_kvshare.segments.sources import SourceRecord, common_prefix
+
+
+def injectable_len(req, span: Span, rec: SourceRecord) -> int:
+    """Leading tokens of ``span`` that ``rec`` can stand for: equal tokens, and at least one
+    prompt token left to compute after them (its logits are needed)."""
+    fill = req.full_untruncated_fill_ids
+    limit = min(len(span), len(fill) - 1 - span.start)
+    if limit <= 0:
+        return 0
+    return common_prefix(rec.token_ids[rec.start : rec.end], fill[span.start : span.start + limit])
+
+
+def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_tokens: int,
+                   rope: RopeSpec) -> Optional[InjectResult]:
+    """Copy up to ``num_tokens`` of ``rec``'s cached K/V (keys re-aligned) into new slots for
+    ``span``; None (nothing changed) when the source is gone or no KV slots can be had."""
+    with read_source(scheduler.tree_cache, rec, num_tokens) as src:
+        if src is None:
+            return None
+        dst = alloc_slots(scheduler, req, span.start, len(src))
+        if dst is None:
+            return None
+        pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+        dst64, delta = dst.to(torch.int64), span.start - rec.start
+        if src.is_cuda:
+            for k_buf, v_buf in kv_layers(pool):
+                kv_correct(k_buf, v_buf, src, dst64, delta, rope)
+        else:
+            write_layers(pool, dst64, *gather_aligned(pool, src, delta, rope))
+        if ses.lr is not None:
+            ses.lr.copy_rows(src, dst64)
+    return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=dst)

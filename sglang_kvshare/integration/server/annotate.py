@@ -1,0 +1,124 @@
+"""The ``kvshare`` annotation of a request body (HTTP process): validate it, tokenise each segment
+on its own, and rewrite the body into SGLang's ``input_ids`` with the segment spec in
+``sampling_params.custom_params`` and the agent's radix namespace in ``extra_key``. Each agent's
+output token ids are remembered, so a later agent's ``out:<agent>`` segment uses exactly the
+tokens whose KV the source holds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from cachetools import FIFOCache
+
+from sglang_kvshare.methods import get_method
+from sglang_kvshare.segments import AnnotationError, WireSpec, parse_annotation, tokenize_segments
+from sglang_kvshare.segments.spec import KVShareAnnotation
+from sglang_kvshare.segments.wire import KEY, output_agent
+
+
+class OutputTokens:
+    """(workflow, agent) -> (output text, output token ids), least recently written forgotten."""
+
+    def __init__(self, capacity: int):
+        self._items: FIFOCache = FIFOCache(capacity)
+
+    def put(self, workflow: str, agent: str, text: str, ids: list[int]) -> None:
+        self._items[(workflow, agent)] = (text, ids)
+
+    def get(self, workflow: str, agent: str, text: str) -> Optional[list[int]]:
+        item = self._items.get((workflow, agent))
+        if item is None or item[0] != text:
+            return None
+        return list(item[1])
+
+
+class AnnotationMixin:
+    """The middleware's annotation rewrite and output memory (needs ``args``, ``get_tm``,
+    ``outputs``)."""
+
+    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, dict]:
+        """Validate and tokenise; returns the annotation and the body to forward."""
+        for key in ("text", "input_ids", "input_embeds"):
+            if payload.get(key) is not None:
+                raise AnnotationError(
+                    f"the prompt is given by kvshare.segments; do not also send '{key}'"
+                )
+        ann = parse_annotation(payload[KEY], self.args.method)
+        method = get_method(ann.method)
+        lr_sharing = method.lr_sharing
+        if lr_sharing and not self.args.lr_cache:
+            raise AnnotationError(
+                f"method {ann.method} needs a server started with --enable-lora and --kvshare-lr-cache"
+            )
+        if self.args.lr_cache and payload.get("lora_path") is not None and (method.corrector or method.selector):
+            raise AnnotationError(
+                f"method {ann.method} corrects or recomputes K/V; on a --kvshare-lr-cache server LoRA "
+                "agents use nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
+            )
+        tm = self.get_tm()
+        tok = tm.tokenizer
+        prefix = special_prefix(tok)
+
+        def slot_tokens(slot: str, text: str):
+            agent = output_agent(slot)
+            return None if agent is None else self.outputs.get(ann.workflow, agent, text)
+
+        prompt = tokenize_segments(
+            ann.segments, lambda t: tok.encode(t, add_special_tokens=False), prefix, slot_tokens
+        )
+        if len(prompt.input_ids) >= tm.context_len:
+            raise AnnotationError(
+                f"the prompt has {len(prompt.input_ids)} tokens; the model's context is "
+                f"{tm.context_len} tokens"
+            )
+        wire = WireSpec(
+            workflow=ann.workflow,
+            agent=ann.agent,
+            method=ann.method,
+            spans=tuple(prompt.spans),
+            sources=ann.sources,
+            recompute_ratio=ann.recompute_ratio,
+            tau=ann.tau,
+            target_rho=ann.target_rho,
+        )
+        out = {k: v for k, v in payload.items() if k != KEY}
+        out["input_ids"] = prompt.input_ids
+        sp = dict(out.get("sampling_params") or {})
+        sp["custom_params"] = {**(sp.get("custom_params") or {}), KEY: wire.dumps()}
+        out["sampling_params"] = sp
+        out["extra_key"] = wire.namespace
+        return ann, out
+
+    def _remember(self, ann: KVShareAnnotation, body, tok) -> None:
+        """Keep the agent's output token ids (``body``: a response JSON, bytes or parsed)."""
+        try:
+            out = json.loads(body) if isinstance(body, (bytes, str)) else body
+        except ValueError:
+            return
+        if not isinstance(out, dict) or "output_ids" not in out:
+            return
+        ids = exact_output_ids(tok, out["output_ids"], out.get("text", ""))
+        if ids:
+            self.outputs.put(ann.workflow, ann.agent, out.get("text", ""), ids)
+
+
+def exact_output_ids(tok, output_ids, text: str) -> Optional[list[int]]:
+    """The output tokens that stand for ``text`` when a later prompt quotes it: trailing special
+    tokens dropped; None unless they decode to exactly ``text``."""
+    ids = list(output_ids)
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    while ids and ids[-1] in special:
+        ids.pop()
+    return ids if ids and tok.decode(ids) == text else None
+
+
+def special_prefix(tok) -> list[int]:
+    """Token ids the tokenizer puts before any prompt (e.g. BOS), found by encoding a probe."""
+    probe = "a"
+    with_special = tok.encode(probe, add_special_tokens=True)
+    without = tok.encode(probe, add_special_tokens=False)
+    if len(with_special) > len(without) and with_special[-len(without) :] == without:
+        return with_special[: len(with_special) - len(without)]
+    return []

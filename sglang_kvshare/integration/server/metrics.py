@@ -1,0 +1,85 @@
+"""``kvshare_*`` Prometheus metrics on SGLang's ``/metrics`` (``--enable-metrics``).
+
+Recorded in the HTTP (tokenizer) process from each finished annotated request's
+``meta_info.kvshare`` record, so they count exactly what the responses report. SGLang runs
+prometheus_client in multiprocess mode; metrics created here after its setup land in the same
+registry as SGLang's own.
+
+| metric | labels | meaning |
+|---|---|---|
+| `kvshare_requests_total` | method | finished annotated requests |
+| `kvshare_prompt_tokens_total` | method | their prompt tokens |
+| `kvshare_reused_tokens_total` | method | prompt tokens not computed (injected, corrected, cached) |
+| `kvshare_computed_tokens_total` | method | prompt tokens computed (with reference prefills) |
+| `kvshare_injected_tokens_total` | method | tokens written from a source cache (injected or corrected) |
+| `kvshare_recomputed_token_layers_total` | method | token-layers recomputed by selective recomputation |
+| `kvshare_corrections_total` | method, outcome, reason | gated segments: accepted, or rejected by reason |
+| `kvshare_correction_seconds` | method | histogram of a request's correction time |
+| `kvshare_anchor_bytes` | method | the method's anchor memory (at its last corrected request) |
+| `kvshare_lr_bytes` | | LR-cache memory (at the last LR-cache request) |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+TOKEN_COUNTERS = (
+    ("prompt_tokens", "Prompt tokens of finished annotated requests"),
+    ("reused_tokens", "Prompt tokens reused (injected, corrected or cached), not computed"),
+    ("computed_tokens", "Prompt tokens computed, reference prefills included"),
+    ("injected_tokens", "Tokens written from a source agent's cache (injected or corrected)"),
+    ("recomputed_token_layers", "Token-layers recomputed by selective recomputation"),
+)
+
+
+class Metrics:
+    """The ``kvshare_*`` metrics of this (HTTP) process, created at the first recorded request
+    (SGLang sets up its multiprocess registry after the plugin is loaded)."""
+
+    def __init__(self) -> None:
+        self._m: Optional[dict[str, Any]] = None
+
+    def _metrics(self) -> dict[str, Any]:
+        if self._m is None:
+            # imported here: prometheus_client picks its multiprocess mode at import, from the
+            # directory SGLang sets up after the plugin is loaded
+            from prometheus_client import Counter, Gauge, Histogram
+
+            m: dict[str, Any] = {
+                "requests": Counter("kvshare_requests_total", "Finished annotated requests", ["method"]),
+                "corrections": Counter("kvshare_corrections_total",
+                                       "Gated shared segments by outcome (accepted, rejected) and gate reason",
+                                       ["method", "outcome", "reason"]),
+                "correction_seconds": Histogram(
+                    "kvshare_correction_seconds",
+                    "Scheduler time of a request's corrections (gather, gate, correct, write)", ["method"],
+                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)),
+                "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
+                                      ["method"], multiprocess_mode="mostrecent"),
+                "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
+            }
+            for key, doc in TOKEN_COUNTERS:
+                m[key] = Counter(f"kvshare_{key}_total", doc, ["method"])
+            self._m = m
+        return self._m
+
+    def record(self, meta: Any) -> None:
+        """Count one finished request's ``meta_info.kvshare`` record."""
+        if not isinstance(meta, dict) or "method" not in meta:
+            return
+        m, method = self._metrics(), meta["method"]
+        m["requests"].labels(method).inc()
+        for key, _ in TOKEN_COUNTERS:
+            if meta.get(key):
+                m[key].labels(method).inc(meta[key])
+        for seg in meta.get("segments") or ():
+            reason = seg.get("gate")
+            if reason is not None:
+                outcome = "accepted" if reason == "accepted" else "rejected"
+                m["corrections"].labels(method, outcome, reason).inc()
+        if meta.get("correction_ms") is not None:
+            m["correction_seconds"].labels(method).observe(meta["correction_ms"] / 1000.0)
+        if meta.get("anchor_bytes") is not None:
+            m["anchor_bytes"].labels(method).set(meta["anchor_bytes"])
+        if meta.get("lr_bytes") is not None:
+            m["lr_bytes"].set(meta["lr_bytes"])

@@ -1,0 +1,36 @@
+"""Per-forward state: what the hooks of one model forward share (scheduler process, model side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_UNSET = object()
+
+
+@dataclass
+class ForwardState:
+    """What the hooks of one model forward share (``Session.begin_forward``, a new one per
+    forward batch):
+
+    - ``plan``: the recompute plan the decoder-layer hook builds at the first layer (a
+      ``BatchPlan`` or None; unset until then);
+    - ``running``: while a layer runs on a row subset, (plan, active rows or None, rows split by
+      request or None): which queries the ``kvshare_torch`` backend attends;
+    - ``lr_columns``: with the LR cache, the LR column of each request of the batch (-1: the base
+      model), which the LoRA hook writes and the attention reads with;
+    - ``paged``: the batch's paged KV indices (``lr_cache.paged_indices``), built by the first
+      LR attention layer and shared by all the others;
+    - ``decode_runs``: in a decode, each request's KV slots as runs (``kernels.split_decode``),
+      built by the first attention layer and shared by all the others."""
+
+    batch: Any  # the ForwardBatch
+    plan: Any = _UNSET
+    running: Optional[tuple] = None
+    lr_columns: Any = None  # [bs] int64 tensor
+    paged: Optional[tuple] = None  # (kv_indices, qo_indptr, kv_indptr)
+    decode_runs: Optional[list] = None  # [bs] SlotRuns
+
+    @property
+    def planned(self) -> bool:
+        return self.plan is not _UNSET
