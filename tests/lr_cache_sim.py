@@ -1,7 +1,7 @@
 """Plain-torch simulator of PReCache's LR pool and cache schedules, used by the unit tests
 (``tests/unit/test_lora_cache.py``) to check the schedules against ordinary LoRA attention.
 
-The engine's LR pool is ``sglang_kvshare/integration/lr_cache.py`` (SGLang's KV slots, value LR
+The engine's LR pool is ``sglang_kvshare/integration/model/lr_pool.py`` (SGLang's KV slots, value LR
 only); this simulator keeps the paper's general form (value and key LR pools, named agents).
 
 Schedules (``prelr_shared``, ``rebase_shared``):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from sglang_kvshare.integration import hookspec
 from sglang_kvshare.integration.model import lora_hooks, recompute_layer
 from sglang_kvshare.integration.scheduler import double_batch, prefill, requests, worker_forward
-from sglang_kvshare.integration.server import meta_info
+from sglang_kvshare.integration.server import chat_serving, generate
 
-# hooks of the HTTP (tokenizer) process: registered with that process's ``server.metrics.Metrics``
-SERVER_HOOKS = (meta_info.HOOKS,)
+# hooks of the HTTP (tokenizer) process: registered with its ``server.context.ServerContext``
+SERVER_HOOKS = (generate.HOOKS, chat_serving.HOOKS)
 # hooks of the scheduler process (its scheduling loop and model forward): registered with the session
 SCHEDULER_HOOKS = (prefill.HOOKS, requests.HOOKS, double_batch.HOOKS, worker_forward.HOOKS,
                    lora_hooks.HOOKS, recompute_layer.HOOKS)

@@ -5,8 +5,8 @@ process's :class:`~sglang_kvshare.integration.state.session.Session` (from the `
 configuration the launcher put in the environment) and hands it to everything that needs it: the
 scheduler-side and model-side hooks (``hooks.SCHEDULER_HOOKS``), the ``kvshare`` radix-cache
 backend (with the scheduler's release step) and the ``kvshare_torch`` attention backend, which
-SGLang constructs in the scheduler process. The HTTP process's hooks get its ``kvshare_*``
-metrics. Whether it is loaded is the only module-level state.
+SGLang constructs in the scheduler process. The HTTP process's hooks get its
+``server.context.ServerContext`` (the ``kvshare_*`` metrics, the chat requests being converted). Whether it is loaded is the only module-level state.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sglang_kvshare.integration.cpu_shims import unpin_lora
 from sglang_kvshare.integration.model import attention
 from sglang_kvshare.integration.scheduler.anchor_pool_file import AnchorPoolFile
 from sglang_kvshare.integration.scheduler.release import release
-from sglang_kvshare.integration.server.metrics import Metrics
+from sglang_kvshare.integration.server.context import ServerContext
 from sglang_kvshare.integration.state.session import Session
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ def load() -> None:
     attention.register(session)
     for hook_set in hooks.SCHEDULER_HOOKS:
         hook_set.register(session)
-    metrics = Metrics()
+    server = ServerContext()
     for hook_set in hooks.SERVER_HOOKS:
-        hook_set.register(metrics)
+        hook_set.register(server)
     _LOADED = True
     logger.info("sglang_kvshare plugin loaded")

@@ -2,7 +2,7 @@
 
 See ``base`` for the decomposition and layouts, ``attention`` for the Flash-LoRA-Attention
 reference and ``sglang_kvshare/kernels/flash_lora_attention.py`` for the Triton kernel. The LR
-pool itself is the engine's (``integration/lr_cache.py``); ``tests/lr_cache_sim.py`` simulates it
+pool itself is the engine's (``integration/model/lr_pool.py``); ``tests/lr_cache_sim.py`` simulates it
 and what ``prelr_shared`` / ``rebase_shared`` write; ``own_column`` keeps ReBaseShared's
 current agent's own LR column from its adapted hidden states.
 """

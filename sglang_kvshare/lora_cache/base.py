@@ -7,7 +7,7 @@ LoRA scaling (``alpha / r``). The KV cache is split into
   ordinary KV pool, and
 * the **LR cache** ``LR_k = s_k X A_k^T`` (``[T, r]`` per agent, scaling folded in, as SGLang
   applies it in the A step), stored per agent in an LR pool indexed by the same token slots (the
-  engine's ``integration/lr_cache.LRCache``; ``tests/lr_cache_sim.py`` simulates it in plain torch).
+  engine's ``integration/model/lr_pool.LRCache``; ``tests/lr_cache_sim.py`` simulates it in plain torch).
 
 Value side (QV and QKVO adapters): ``V_k = V_base + LR_k B_k``; attention never materialises the
 ``[T, kv_dim]`` delta: ``P V_k = P V_base + (P LR_k) B_k`` (Flash-LoRA-Attention).

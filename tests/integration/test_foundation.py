@@ -308,6 +308,29 @@ def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
     assert after[("kvshare_anchor_bytes", (("method", "kvcmas"),))] == metas[-1]["anchor_bytes"]
 
 
+def test_streamed_annotated_requests_are_counted(tiny_server):
+    """Frameworks stream: a streamed annotated chat and a streamed /generate are counted like
+    answered ones, and every streamed /generate event carries the record."""
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
+    before = _scrape(tiny_server)
+    chunks = list(client.chat.completions.create(
+        model="default", max_tokens=4, temperature=0, stream=True,
+        messages=[{"role": "system", "content": SYSTEM["solver"]}, {"role": "user", "content": QUESTION}],
+        extra_body={"kvshare": {"workflow": "metrics-stream", "agent": "solver", "method": "nonshared",
+                                "shared_messages": {"1": "q"}}}))
+    chat_kv = chunks[-1].model_extra["kvshare"]
+    events = tiny_server.stream(payload("metrics-stream", "critic", "nonshared", segments("critic", {}), 4))
+    records = [e["meta_info"]["kvshare"] for e in events]
+    assert all(r["agent"] == "critic" for r in records)
+    after = _scrape(tiny_server)
+    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    assert grew[("kvshare_requests_total", (("method", "nonshared"),))] == 2
+    assert grew[("kvshare_prompt_tokens_total", (("method", "nonshared"),))] == (
+        chat_kv["prompt_tokens"] + records[-1]["prompt_tokens"])
+
+
 def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny_server):
     """A later agent's chunk stops at its next segment and leaves chunk budget unused; a long
     plain prompt queued meanwhile would be chunked too, and SGLang tracks one unfinished chunked

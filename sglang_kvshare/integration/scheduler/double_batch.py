@@ -8,8 +8,8 @@ right after sampling, before the token is relayed as the next input), so it proc
 tokens at the same positions while attending only to the neutral base cache. The adapted request
 is not inserted into the tree (``skip_radix_cache_insert``); the twin is, with its adapter-free
 K/V, the LR columns the LR hook wrote for every other adapter from its hidden states, and the
-adapted agent's own column copied from the adapted rows after each forward (``own_lr``). When both
-are done, the tree holds the same span (prompt and every fed output token) as the lazy-prefill
+adapted agent's own column copied from the adapted rows after each forward (``own_column.py``).
+When both are done, the tree holds the same span (prompt and every fed output token) as the lazy-prefill
 schedule (``rebase_shared_lp``) builds after the turn.
 
 The twin is never streamed. The adapted request's final output is held until its twin has

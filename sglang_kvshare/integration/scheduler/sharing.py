@@ -79,7 +79,7 @@ class LR(Family):
             req.extra_key = req.extra_key[: -len(req.lora_id)]
         if st.method.lr_sharing in ("rebase_lp", "rebase_db") and req.lora_id:
             # its base KV comes from adapted hidden states: the adapter-free rebuild caches the
-            # turn (with this request's own LR column, ``own_lr``)
+            # turn (with this request's own LR column, ``own_column.py``)
             req.skip_radix_cache_insert = True
 
     def release(self, ses, tree, req, st, owned: int) -> None:

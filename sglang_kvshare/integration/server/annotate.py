@@ -7,7 +7,6 @@ tokens whose KV the source holds.
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from cachetools import FIFOCache
@@ -38,35 +37,31 @@ class AnnotationMixin:
     """The middleware's annotation rewrite and output memory (needs ``args``, ``get_tm``,
     ``outputs``)."""
 
-    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, dict]:
-        """Validate and tokenise; returns the annotation and the body to forward."""
-        for key in ("text", "input_ids", "input_embeds"):
-            if payload.get(key) is not None:
-                raise AnnotationError(
-                    f"the prompt is given by kvshare.segments; do not also send '{key}'"
-                )
-        ann = parse_annotation(payload[KEY], self.args.method)
+    def check_method(self, ann: KVShareAnnotation, lora_path) -> None:
+        """Refuse a method this server cannot run for this request (LR-cache methods)."""
         method = get_method(ann.method)
-        lr_sharing = method.lr_sharing
-        if lr_sharing and not self.args.lr_cache:
+        if method.lr_sharing and not self.args.lr_cache:
             raise AnnotationError(
                 f"method {ann.method} needs a server started with --enable-lora and --kvshare-lr-cache"
             )
-        if self.args.lr_cache and payload.get("lora_path") is not None and (method.corrector or method.selector):
+        if self.args.lr_cache and lora_path is not None and (method.corrector or method.selector):
             raise AnnotationError(
                 f"method {ann.method} corrects or recomputes K/V; on a --kvshare-lr-cache server LoRA "
                 "agents use nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
             )
+
+    def tokenize(self, ann: KVShareAnnotation) -> tuple[list[int], WireSpec]:
+        """The prompt's token ids (each segment on its own; an ``out:<agent>`` segment as the
+        output tokens that agent produced) and the spec the scheduler gets."""
         tm = self.get_tm()
         tok = tm.tokenizer
-        prefix = special_prefix(tok)
 
         def slot_tokens(slot: str, text: str):
             agent = output_agent(slot)
             return None if agent is None else self.outputs.get(ann.workflow, agent, text)
 
         prompt = tokenize_segments(
-            ann.segments, lambda t: tok.encode(t, add_special_tokens=False), prefix, slot_tokens
+            ann.segments, lambda t: tok.encode(t, add_special_tokens=False), special_prefix(tok), slot_tokens
         )
         if len(prompt.input_ids) >= tm.context_len:
             raise AnnotationError(
@@ -83,23 +78,31 @@ class AnnotationMixin:
             tau=ann.tau,
             target_rho=ann.target_rho,
         )
+        return prompt.input_ids, wire
+
+    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, dict]:
+        """Validate and tokenise a ``/generate`` body; returns the annotation and the body to
+        forward."""
+        for key in ("text", "input_ids", "input_embeds"):
+            if payload.get(key) is not None:
+                raise AnnotationError(
+                    f"the prompt is given by kvshare.segments; do not also send '{key}'"
+                )
+        ann = parse_annotation(payload[KEY], self.args.method)
+        self.check_method(ann, payload.get("lora_path"))
+        input_ids, wire = self.tokenize(ann)
         out = {k: v for k, v in payload.items() if k != KEY}
-        out["input_ids"] = prompt.input_ids
-        sp = dict(out.get("sampling_params") or {})
-        sp["custom_params"] = {**(sp.get("custom_params") or {}), KEY: wire.dumps()}
-        out["sampling_params"] = sp
+        out["input_ids"] = input_ids
+        out["sampling_params"] = with_spec(out.get("sampling_params"), wire)
         out["extra_key"] = wire.namespace
         return ann, out
 
-    def _remember(self, ann: KVShareAnnotation, body, tok) -> None:
-        """Keep the agent's output token ids (``body``: a response JSON, bytes or parsed)."""
-        try:
-            out = json.loads(body) if isinstance(body, (bytes, str)) else body
-        except ValueError:
-            return
+    def remember(self, ann: KVShareAnnotation, out) -> None:
+        """Keep the agent's output token ids (``out``: a parsed answer with ``output_ids`` and
+        ``text``)."""
         if not isinstance(out, dict) or "output_ids" not in out:
             return
-        ids = exact_output_ids(tok, out["output_ids"], out.get("text", ""))
+        ids = exact_output_ids(self.get_tm().tokenizer, out["output_ids"], out.get("text", ""))
         if ids:
             self.outputs.put(ann.workflow, ann.agent, out.get("text", ""), ids)
 
@@ -122,3 +125,15 @@ def special_prefix(tok) -> list[int]:
     if len(with_special) > len(without) and with_special[-len(without) :] == without:
         return with_special[: len(with_special) - len(without)]
     return []
+
+
+def with_spec(sampling_params: Optional[dict], wire: WireSpec) -> dict:
+    """Sampling parameters that carry ``wire`` to the scheduler (in ``custom_params``)."""
+    sp = dict(sampling_params or {})
+    sp["custom_params"] = {**(sp.get("custom_params") or {}), KEY: wire.dumps()}
+    return sp
+
+
+def spec_of(sampling_params: dict) -> WireSpec:
+    """The spec ``with_spec`` put into ``sampling_params``."""
+    return WireSpec.loads(sampling_params["custom_params"][KEY])

@@ -1,183 +1,184 @@
-"""OpenAI chat adapter of annotated requests (HTTP process): ``/v1/chat/completions`` with
-``kvshare`` becomes an annotated /generate; its answer comes back as a ``chat.completion`` or as
-``chat.completion.chunk`` events."""
+"""Annotated chat requests (HTTP process): ``/v1/chat/completions`` with ``kvshare`` runs through
+SGLang's own OpenAI chat serving, so its template, tools, ``response_format``, ``logprobs``,
+``n``, ``seed``, stop, streaming, usage and tool-call / reasoning parsers work the same with and
+without sharing.
+
+The middleware (:meth:`ChatMixin.chat`) checks the annotation (``kvshare.shared_messages`` maps
+message indices to slots; HTTP 400 naming a defect), takes it out of the body and hands SGLang
+the request with a :class:`ChatShare` in its ASGI scope. The hooks of ``chat_serving.py`` then
+supply, from SGLang's rendered prompt, the segment-wise token ids and the sharing spec. The answer
+carries the request's ``kvshare`` record: beside ``usage`` in a ``chat.completion``; streamed, as
+a last ``chat.completion.chunk`` (no choices) before ``[DONE]``.
+"""
 
 from __future__ import annotations
 
 import json
-import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from sglang_kvshare.integration.server.annotate import special_prefix
-from sglang_kvshare.integration.server.asgi import ok_body_send, send_json, split_events
-from sglang_kvshare.segments import AnnotationError
+from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events
+from sglang_kvshare.segments import AnnotationError, WireSpec, parse_annotation
+from sglang_kvshare.segments.spec import KVShareAnnotation
 from sglang_kvshare.segments.wire import KEY
 
 
+@dataclass
+class ChatShare:
+    """One annotated chat request on its way through SGLang's chat serving."""
+
+    owner: Any  # the middleware: its output memory, tokenisation and prefills
+    raw: dict  # the ``kvshare`` object without ``shared_messages``
+    shared: dict[int, tuple[str, str]]  # message index -> (slot, content)
+    ann: Optional[KVShareAnnotation] = None
+    input_ids: Optional[list[int]] = None
+    wire: Optional[WireSpec] = None
+    record: Optional[dict] = None  # the latest ``meta_info.kvshare``
+
+    def annotate(self, prompt: str, tok) -> list[int]:
+        """The segments of SGLang's rendered ``prompt`` (each shared message's content a PH
+        segment), parsed and tokenised; returns the token ids."""
+        self.ann = parse_annotation({**self.raw, "segments": chat_segments(prompt, tok, self.shared)},
+                                    self.owner.args.method)
+        self.input_ids, self.wire = self.owner.tokenize(self.ann)
+        return self.input_ids
+
+
 class ChatMixin:
-    """Needs ``get_tm``, ``rewrite`` and ``forward_generate``."""
+    """Needs ``args``, ``app`` and ``check_method``."""
 
     async def chat(self, scope, receive, send, body: dict) -> None:
-        """``/v1/chat/completions`` with ``kvshare`` (the OpenAI client's ``extra_body``).
-
-        ``kvshare.shared_messages`` maps message indices to slots. The chat template is rendered,
-        each shared message's content becomes a PH segment and the text around it PF segments;
-        the request then runs as an annotated /generate and the answer comes back as a
-        ``chat.completion`` with ``kvshare`` beside ``usage``, or with ``stream: true`` as
-        ``chat.completion.chunk`` events whose last one (before ``[DONE]``) carries ``kvshare``
-        (and ``usage`` when ``stream_options.include_usage``).
-        """
-        raw = dict(body[KEY]) if isinstance(body[KEY], dict) else body[KEY]
+        """``/v1/chat/completions`` with ``kvshare`` (the OpenAI client's ``extra_body``)."""
+        raw = body[KEY]
         if not isinstance(raw, dict):
             raise AnnotationError("kvshare must be an object")
-        shared = raw.pop("shared_messages", {})
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise AnnotationError("messages must be a non-empty list")
-        if not isinstance(shared, dict):
-            raise AnnotationError("kvshare.shared_messages must map message indices to slot names")
-        raw["segments"] = chat_segments(self.get_tm().tokenizer, messages, shared)
-        sampling = {"max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or 128}
-        for key in ("temperature", "top_p", "top_k", "stop", "frequency_penalty", "presence_penalty", "ignore_eos"):
-            if body.get(key) is not None:
-                sampling[key] = body[key]
-        request = {"sampling_params": sampling, KEY: raw}
-        if body.get("stream"):
-            request["stream"] = True
-        ann, payload = self.rewrite(request)
-        if body.get("lora_path") is not None:
-            payload["lora_path"] = body["lora_path"]
-        chunk = ChatChunks(body, incremental=bool(getattr(self.get_tm(), "incremental_streaming_output", False)))
-        if body.get("stream"):
-            return await self.forward_generate(scope, receive, chunk.sse_send(send), ann, payload)
-        captured: dict = {"status": 500, "body": b""}
-
-        async def capture(message):
-            if message["type"] == "http.response.start":
-                captured["status"] = message["status"]
-            elif message["type"] == "http.response.body":
-                captured["body"] += message.get("body", b"")
-
-        await self.forward_generate(scope, receive, capture, ann, payload)
-        try:
-            out = json.loads(captured["body"])
-        except ValueError:
-            out = {"error": {"message": captured["body"].decode(errors="replace")}}
-        if captured["status"] != 200:
-            return await send_json(send, captured["status"], out)
-        meta = out.get("meta_info", {})
-        await send_json(send, 200, {
-            **chunk.head("chat.completion", meta),
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": out.get("text", "")},
-                "finish_reason": _finish_reason(meta),
-            }],
-            "usage": _usage(meta),
-            KEY: meta.get(KEY),
-        })
+        raw = dict(raw)
+        shared = shared_contents(body.get("messages"), raw.pop("shared_messages", {}))
+        # every other field is checked now, before SGLang sees the request
+        probe = [{"text": content, "shared": True, "slot": slot} for slot, content in shared.values()]
+        ann = parse_annotation({**raw, "segments": probe + [{"text": ".", "shared": False}]}, self.args.method)
+        self.check_method(ann, body.get("lora_path"))
+        share = ChatShare(self, raw, shared)
+        new_body = json.dumps({k: v for k, v in body.items() if k != KEY}).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(new_body)).encode()))
+        scope = dict(scope, headers=headers, state={**scope.get("state", {}), KEY: share})
+        send = _stream_record_send(send, share) if body.get("stream") else _json_record_send(send, share)
+        await self.app(scope, replay(new_body, receive), send)
 
 
-def _finish_reason(meta: dict) -> Optional[str]:
-    finish = meta.get("finish_reason")
-    if not finish:
-        return None
-    return "length" if finish.get("type") == "length" else "stop"
-
-
-def _usage(meta: dict) -> dict:
-    usage = {"prompt_tokens": meta.get("prompt_tokens", 0), "completion_tokens": meta.get("completion_tokens", 0)}
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-    return usage
-
-
-class ChatChunks:
-    """An annotated chat request's answer in OpenAI's chat-completion shapes."""
-
-    def __init__(self, body: dict, incremental: bool):
-        self.model = body.get("model", "")
-        self.created = int(time.time())
-        opts = body.get("stream_options")
-        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-        self.incremental = incremental  # SGLang streams deltas, not the text so far
-
-    def head(self, obj: str, meta: dict) -> dict:
-        return {"id": meta.get("id", ""), "object": obj, "created": self.created, "model": self.model}
-
-    def sse_send(self, send):
-        """Turn /generate's server-sent events (through ``_streaming_send``) into
-        ``chat.completion.chunk`` events; the last chunk carries ``kvshare`` (and ``usage``)."""
-        state = {"pending": b"", "text": "", "role": False, "meta": None}
-
-        def event(obj: dict) -> bytes:
-            return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-        def convert(raw: bytes) -> bytes:
-            if not raw.startswith(b"data: "):
-                return b""
-            if raw.strip() == b"data: [DONE]":
-                meta = state["meta"] or {}
-                last = {**self.head("chat.completion.chunk", meta), "choices": [], KEY: meta.get(KEY)}
-                if self.include_usage:
-                    last["usage"] = _usage(meta)
-                return event(last) + b"data: [DONE]\n\n"
-            try:
-                obj = json.loads(raw[len(b"data: "):])
-            except ValueError:
-                return b""
-            if not isinstance(obj, dict) or "error" in obj:
-                return raw + b"\n\n"  # SGLang's error event, as it is
-            meta = obj.get("meta_info") or {}
-            state["meta"] = meta
-            text = obj.get("text") or ""
-            if self.incremental:
-                delta = text
-            else:
-                delta, state["text"] = text[len(state["text"]):], text
-            choice_delta = {"content": delta}
-            if not state["role"]:
-                choice_delta = {"role": "assistant", **choice_delta}
-                state["role"] = True
-            finish = _finish_reason(meta)
-            if not delta and finish is None and "role" not in choice_delta:
-                return b""
-            choice = {"index": 0, "delta": choice_delta, "finish_reason": finish}
-            return event({**self.head("chat.completion.chunk", meta), "choices": [choice]})
-
-        def rewrite(message):
-            events, _ = split_events(state, message)
-            return dict(message, body=b"".join(convert(e) for e in events))
-
-        return ok_body_send(send, rewrite)
-
-
-def chat_segments(tok, messages: list, shared: dict) -> list[dict]:
-    """Segments of the rendered chat prompt: each shared message's content is a PH segment."""
+def shared_contents(messages: Any, shared: Any) -> dict[int, tuple[str, str]]:
+    """``kvshare.shared_messages`` checked against ``messages``: index -> (slot, content)."""
+    if not isinstance(messages, list) or not messages:
+        raise AnnotationError("messages must be a non-empty list")
+    if not isinstance(shared, dict):
+        raise AnnotationError("kvshare.shared_messages must map message indices to slot names")
     try:
         slots = {int(k): v for k, v in shared.items()}
     except (TypeError, ValueError):
         raise AnnotationError("kvshare.shared_messages keys must be message indices") from None
-    for i, slot in slots.items():
+    out = {}
+    for i, slot in sorted(slots.items()):
         if not 0 <= i < len(messages):
             raise AnnotationError(f"kvshare.shared_messages names message {i}; there are {len(messages)}")
-        if not isinstance(messages[i], dict) or not isinstance(messages[i].get("content"), str):
-            raise AnnotationError(f"message {i} must have string content to be shared")
+        content = messages[i].get("content") if isinstance(messages[i], dict) else None
+        if not isinstance(content, str) or not content:
+            raise AnnotationError(f"message {i} must have non-empty string content to be shared")
         if not isinstance(slot, str) or not slot:
             raise AnnotationError(f"kvshare.shared_messages[{i}] must be a slot name")
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out[i] = (slot, content)
+    return out
+
+
+def chat_segments(prompt: str, tok, shared: dict[int, tuple[str, str]]) -> list[dict]:
+    """Segments of a rendered chat ``prompt``: each shared message's content (in message order)
+    a PH segment, the text around them PF segments."""
     prefix = tok.decode(special_prefix(tok))
-    if prefix and text.startswith(prefix):
-        text = text[len(prefix) :]  # the tokenizer adds it again
+    if prefix and prompt.startswith(prefix):
+        prompt = prompt[len(prefix):]  # the tokenizer adds it again
     segments, cursor = [], 0
-    for i in sorted(slots):
-        content = messages[i]["content"]
-        at = text.find(content, cursor)
-        if at < 0 or not content:
+    for i, (slot, content) in sorted(shared.items()):
+        at = prompt.find(content, cursor)
+        if at < 0:
             raise AnnotationError(f"message {i}'s content does not appear in the rendered chat prompt")
         if at > cursor:
-            segments.append({"text": text[cursor:at], "shared": False})
-        segments.append({"text": content, "shared": True, "slot": slots[i]})
+            segments.append({"text": prompt[cursor:at], "shared": False})
+        segments.append({"text": content, "shared": True, "slot": slot})
         cursor = at + len(content)
-    if cursor < len(text):
-        segments.append({"text": text[cursor:], "shared": False})
+    if cursor < len(prompt):
+        segments.append({"text": prompt[cursor:], "shared": False})
     return segments
+
+
+def _json_record_send(send, share: ChatShare):
+    """A ``chat.completion`` answer with ``kvshare`` beside ``usage`` (the start message waits
+    for the body, whose length changes)."""
+    held: dict = {"start": None, "body": b""}
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start" and message["status"] == 200:
+            held["start"] = message
+            return
+        if message["type"] != "http.response.body" or held["start"] is None:
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body", False):
+            return
+        body = held["body"]
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
+            body = json.dumps({**answer, KEY: share.record}).encode()
+        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
+        await send(dict(held["start"], headers=headers + [(b"content-length", str(len(body)).encode())]))
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
+def _stream_record_send(send, share: ChatShare):
+    """Server-sent chunks passed on, ``kvshare`` added to the last one before ``[DONE]`` when it
+    has no choices (the usage chunk), else in one more ``chat.completion.chunk`` without choices.
+    Each chunk is held until the next one arrives."""
+    state: dict = {"pending": b"", "held": None}
+
+    def release(event: Optional[bytes], done: bool) -> bytes:
+        held, state["held"] = state["held"], event
+        if held is None:
+            return b""
+        if not done:
+            return held + b"\n\n"
+        chunk = held_chunk(held)
+        if chunk is not None and chunk.get("choices") == []:
+            return b"data: " + json.dumps({**chunk, KEY: share.record}).encode() + b"\n\n"
+        head = {k: chunk[k] for k in ("id", "created", "model") if k in chunk} if chunk else {}
+        last = {**head, "object": "chat.completion.chunk", "choices": [], KEY: share.record}
+        return held + b"\n\n" + b"data: " + json.dumps(last).encode() + b"\n\n"
+
+    def fix(event: bytes) -> bytes:
+        if event.strip() == b"data: [DONE]":
+            return release(None, done=True) + event + b"\n\n"
+        return release(event, done=False)
+
+    def rewrite(message):
+        events, more = split_events(state, message)
+        body = b"".join(fix(e) for e in events)
+        if not more:
+            body += release(None, done=False)  # an answer cut short: what is held goes out
+        return dict(message, body=body)
+
+    return ok_body_send(send, rewrite)
+
+
+def held_chunk(event: bytes) -> Optional[dict]:
+    """The JSON of a ``data:`` event (None: not a JSON object)."""
+    if not event.startswith(b"data: "):
+        return None
+    try:
+        chunk = json.loads(event[len(b"data: "):])
+    except ValueError:
+        return None
+    return chunk if isinstance(chunk, dict) else None

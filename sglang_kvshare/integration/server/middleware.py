@@ -1,10 +1,10 @@
 """The HTTP process's layer: an ASGI middleware on SGLang's own FastAPI app for annotated requests.
 
-For a ``POST /generate`` (or ``/v1/chat/completions``, ``chat.py``) whose JSON body has a
-``kvshare`` object, it validates and tokenises the annotation (``annotate.py``; HTTP 400 naming
-the defect), adds the prefills the method needs (``prefills.py``), forwards the request to
-SGLang as ``input_ids`` and reads the response to remember the agent's output tokens
-(``responses.py``).
+For a ``POST /generate`` whose JSON body has a ``kvshare`` object, it validates and tokenises the
+annotation (``annotate.py``; HTTP 400 naming the defect), adds the prefills the method needs
+(``prefills.py``), forwards the request to SGLang as ``input_ids`` and reads the response to
+remember the agent's output tokens (``responses.py``). An annotated ``/v1/chat/completions`` goes
+to SGLang's own chat serving (``chat.py``, ``chat_serving.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cachetools import FIFOCache
 from sglang.srt.entrypoints.http_server import get_global_state
 
 from sglang_kvshare.config import KVShareArgs
-from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens
+from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens, spec_of, with_spec
 from sglang_kvshare.integration.server.asgi import read_body, replay, send_json
 from sglang_kvshare.integration.server.chat import ChatMixin
 from sglang_kvshare.integration.server.prefills import PrefillMixin
@@ -65,17 +65,16 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ResponseMixin, ChatMixin)
     async def forward_generate(self, scope, receive, send, ann: KVShareAnnotation, payload: dict) -> None:
         """Send a rewritten /generate body to SGLang, recording the agent's output tokens."""
         method = get_method(ann.method)
-        if method.lr_sharing == "rebase_lp":
-            await self.await_rebuilds(ann, payload)
-        if method.needs_reference:
-            await self.ensure_references(ann, payload)
+        ids = payload["input_ids"]
+        wire = await self.prepare(ann, spec_of(payload["sampling_params"]), ids)
+        payload["sampling_params"] = with_spec(payload["sampling_params"], wire)
         new_body = json.dumps(payload).encode()
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(new_body)).encode()))
-        scope = dict(scope, headers=headers, path="/generate", raw_path=b"/generate")
+        scope = dict(scope, headers=headers)
         on_done = None
         if method.lr_sharing == "rebase_lp" and payload.get("lora_path") is not None:
-            on_done = lambda out: self.queue_rebuild(ann, payload, out)  # noqa: E731
+            on_done = lambda out: self.queue_rebuild(ann, ids, out)  # noqa: E731
         if payload.get("stream"):
             return await self.app(scope, replay(new_body, receive), self._streaming_send(send, ann, on_done))
         return await self.app(scope, replay(new_body, receive), self._recording_send(send, ann, on_done))

@@ -13,6 +13,7 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.runtime_context import get_schedule
 
 from sglang_kvshare.integration.server.annotate import special_prefix
+from sglang_kvshare.methods import get_method
 from sglang_kvshare.segments import WireSpec
 from sglang_kvshare.segments.sources import REFERENCE_AGENT
 from sglang_kvshare.segments.spec import KVShareAnnotation, Span
@@ -29,15 +30,13 @@ def lowest_priority() -> int:
 class PrefillMixin:
     """Needs ``args``, ``get_tm``, ``referenced``, ``rebuilds`` and ``rebuild_tasks``."""
 
-    async def ensure_references(self, ann: KVShareAnnotation, payload: dict) -> None:
+    async def ensure_references(self, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
         """Prefill each shared segment alone (its context-free reference cache) once per workflow.
 
         Non-chained correction methods start from this cache. Each prefill is a real request
         under the workflow's reference namespace; its computed tokens are charged to the request
-        that needed it (``reference_tokens`` in ``meta_info.kvshare``).
+        that needed it (``reference_tokens`` in ``meta_info.kvshare``): the spec to send.
         """
-        wire = WireSpec.loads(payload["sampling_params"]["custom_params"][KEY])
-        ids = payload["input_ids"]
         prefix = special_prefix(self.get_tm().tokenizer)
         charged = 0
         for span in wire.spans:
@@ -65,44 +64,52 @@ class PrefillMixin:
             meta = one_record((out or {}).get("meta_info", {}).get(KEY)) or {}
             charged += int(meta.get("computed_tokens", 0))
             self.referenced[key] = None
-        wire = dataclasses.replace(wire, reference_tokens=charged)
-        payload["sampling_params"]["custom_params"][KEY] = wire.dumps()
+        return dataclasses.replace(wire, reference_tokens=charged)
 
-    def queue_rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> None:
+    def queue_rebuild(self, ann: KVShareAnnotation, ids: list[int], out: dict) -> None:
         """ReBaseShared, lazy prefill: once the adapted turn has answered (streamed or not, the
         answer does not wait), queue the adapter-free prefill of its new tokens into the
         workflow's shared namespace. The workflow's next request waits for it (``await_rebuilds``);
         other requests do not. With ``--enable-priority-scheduling`` it has the lowest priority."""
-        task = asyncio.get_running_loop().create_task(self.rebuild(ann, payload, out))
+        task = asyncio.get_running_loop().create_task(self.rebuild(ann, ids, out))
         self.rebuild_tasks.add(task)
         task.add_done_callback(self.rebuild_tasks.discard)
         self.rebuilds[ann.workflow] = self.rebuilds.get(ann.workflow, []) + [task]
 
-    async def await_rebuilds(self, ann: KVShareAnnotation, payload: dict) -> None:
+    async def await_rebuilds(self, ann: KVShareAnnotation, wire: WireSpec) -> WireSpec:
         """Before a request of a workflow runs: wait for the rebuilds its earlier turns queued (no
         wait if they are done) and charge their tokens and the wait to it (``rebuild_tokens``,
         ``rebuild_wait_ms`` in ``meta_info.kvshare``). A failed rebuild leaves the cache to be
-        prefilled by this request (logged)."""
+        prefilled by this request (logged). Returns the spec to send."""
         tasks = self.rebuilds.pop(ann.workflow, None)
         if not tasks:
-            return
+            return wire
         t0 = time.perf_counter()
         done = await asyncio.gather(*tasks, return_exceptions=True)
         for d in done:
             if isinstance(d, BaseException):
                 logger.warning("kvshare: rebase_shared_lp rebuild of workflow %s failed: %r", ann.workflow, d)
-        wire = WireSpec.loads(payload["sampling_params"]["custom_params"][KEY])
-        wire = dataclasses.replace(wire, rebuild_tokens=sum(d for d in done if isinstance(d, int)),
+        return dataclasses.replace(wire, rebuild_tokens=sum(d for d in done if isinstance(d, int)),
                                    rebuild_wait_ms=round((time.perf_counter() - t0) * 1e3, 3))
-        payload["sampling_params"]["custom_params"][KEY] = wire.dumps()
 
-    async def rebuild(self, ann: KVShareAnnotation, payload: dict, out: dict) -> int:
+    async def prepare(self, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
+        """Before an annotated request runs: the prefills its method needs (ReBaseShared LP: wait
+        for the workflow's rebuilds; non-chained corrections: the reference caches); returns the
+        spec to send."""
+        method = get_method(ann.method)
+        if method.lr_sharing == "rebase_lp":
+            wire = await self.await_rebuilds(ann, wire)
+        if method.needs_reference:
+            wire = await self.ensure_references(ann, wire, ids)
+        return wire
+
+    async def rebuild(self, ann: KVShareAnnotation, ids: list[int], out: dict) -> int:
         """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens. It names
         the adapted turn (``rebuild_of``), so the scheduler puts that turn's own LR column, kept
         from its adapted hidden states, onto the rebuilt rows."""
         # the tokens the adapted path fed: its prompt and every output token but the last (never
         # an input), the span the double-batched twin of rebase_shared_db rebuilds too
-        tokens = list(payload["input_ids"]) + list(out.get("output_ids") or [])[:-1]
+        tokens = list(ids) + list(out.get("output_ids") or [])[:-1]
         wire = WireSpec(workflow=ann.workflow, agent=ann.agent, method=ann.method,
                         spans=(Span(0, len(tokens)),),
                         rebuild_of=str((out.get("meta_info") or {}).get("id") or ""))

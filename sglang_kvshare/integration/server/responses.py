@@ -11,12 +11,11 @@ from sglang_kvshare.segments.wire import KEY, one_record
 
 
 class ResponseMixin:
-    """Needs ``get_tm`` and ``_remember``."""
+    """Needs ``remember``."""
 
     def _recording_send(self, send, ann: KVShareAnnotation, on_done=None):
         """``on_done(answer)`` (optional) gets the parsed answer of a 200 response."""
         chunks: list[bytes] = []
-        tok = self.get_tm().tokenizer
 
         def record(message):
             chunks.append(message.get("body", b""))
@@ -25,7 +24,7 @@ class ResponseMixin:
                     out = json.loads(b"".join(chunks))
                 except ValueError:
                     return message
-                self._remember(ann, out, tok)
+                self.remember(ann, out)
                 if on_done is not None:
                     on_done(out)
             return message
@@ -36,7 +35,6 @@ class ResponseMixin:
         """Pass server-sent events through with ``meta_info.kvshare`` as one object, and
         remember the agent's output tokens from the last event (also given to ``on_done``)."""
         state = {"pending": b"", "last": None}
-        tok = self.get_tm().tokenizer
 
         def fix(event: bytes) -> bytes:
             if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
@@ -60,7 +58,7 @@ class ResponseMixin:
             body = b"".join(fix(e) + b"\n\n" for e in events)
             if not more:
                 if state["last"] is not None:
-                    self._remember(ann, state["last"], tok)
+                    self.remember(ann, state["last"])
                     if on_done is not None:
                         on_done(state["last"])
             return dict(message, body=body)
