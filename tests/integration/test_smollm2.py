@@ -98,7 +98,8 @@ def test_an_annotated_chat_keeps_sglangs_chat_features(servers, feature):
     first = ask(ours, "solver", workflow)
     later = ask(ours, "critic", workflow)
     # n = 2: two requests of one agent; the record is the last one's, which may reuse the first's q
-    assert first.model_extra["kvshare"]["segments"][1]["mode"] == ("injected" if feature == "n_seed" else "computed")
+    assert first.model_extra["kvshare"]["segments"][1]["mode"] in (
+        ("computed", "injected") if feature == "n_seed" else ("computed",))
     q = later.model_extra["kvshare"]["segments"][1]
     assert q["slot"] == "q" and q["mode"] == "injected" and q["injected_tokens"] == q["tokens"] > 100
     assert later.usage.prompt_tokens == later.model_extra["kvshare"]["prompt_tokens"]
