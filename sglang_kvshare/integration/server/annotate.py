@@ -80,9 +80,9 @@ class AnnotationMixin:
         )
         return prompt.input_ids, wire
 
-    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, dict]:
-        """Validate and tokenise a ``/generate`` body; returns the annotation and the body to
-        forward."""
+    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:
+        """Validate and tokenise a ``/generate`` body; returns the annotation, its spec and the
+        body to forward."""
         for key in ("text", "input_ids", "input_embeds"):
             if payload.get(key) is not None:
                 raise AnnotationError(
@@ -95,7 +95,7 @@ class AnnotationMixin:
         out["input_ids"] = input_ids
         out["sampling_params"] = with_spec(out.get("sampling_params"), wire)
         out["extra_key"] = wire.namespace
-        return ann, out
+        return ann, wire, out
 
     def remember(self, ann: KVShareAnnotation, out) -> None:
         """Keep the agent's output token ids (``out``: a parsed answer with ``output_ids`` and
@@ -133,7 +133,3 @@ def with_spec(sampling_params: Optional[dict], wire: WireSpec) -> dict:
     sp["custom_params"] = {**(sp.get("custom_params") or {}), KEY: wire.dumps()}
     return sp
 
-
-def spec_of(sampling_params: dict) -> WireSpec:
-    """The spec ``with_spec`` put into ``sampling_params``."""
-    return WireSpec.loads(sampling_params["custom_params"][KEY])

@@ -35,6 +35,12 @@ def split_events(state: dict, message: dict) -> tuple[list[bytes], bool]:
     return [e for e in events if e], more
 
 
+def with_length(headers, length: int) -> list:
+    """ASGI ``headers`` with ``content-length`` set to ``length``."""
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [
+        (b"content-length", str(length).encode())]
+
+
 async def read_body(receive) -> bytes:
     parts = []
     while True:

@@ -14,27 +14,22 @@ a last ``chat.completion.chunk`` (no choices) before ``[DONE]``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 from sglang_kvshare.integration.server.annotate import special_prefix
-from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events
-from sglang_kvshare.segments import AnnotationError, WireSpec, parse_annotation
-from sglang_kvshare.segments.spec import KVShareAnnotation
+from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events, with_length
+from sglang_kvshare.integration.server.share import RequestShare, in_scope
+from sglang_kvshare.segments import AnnotationError, parse_annotation
 from sglang_kvshare.segments.wire import KEY
 
 
 @dataclass
-class ChatShare:
-    """One annotated chat request on its way through SGLang's chat serving."""
+class ChatShare(RequestShare):
+    """An annotated chat request: its annotation is complete once SGLang rendered the prompt."""
 
-    owner: Any  # the middleware: its output memory, tokenisation and prefills
-    raw: dict  # the ``kvshare`` object without ``shared_messages``
-    shared: dict[int, tuple[str, str]]  # message index -> (slot, content)
-    ann: Optional[KVShareAnnotation] = None
-    input_ids: Optional[list[int]] = None
-    wire: Optional[WireSpec] = None
-    record: Optional[dict] = None  # the latest ``meta_info.kvshare``
+    raw: dict = field(default_factory=dict)  # the ``kvshare`` object without ``shared_messages``
+    shared: dict[int, tuple[str, str]] = field(default_factory=dict)  # message index -> (slot, content)
 
     def annotate(self, prompt: str, tok) -> list[int]:
         """The segments of SGLang's rendered ``prompt`` (each shared message's content a PH
@@ -59,11 +54,9 @@ class ChatMixin:
         probe = [{"text": content, "shared": True, "slot": slot} for slot, content in shared.values()]
         ann = parse_annotation({**raw, "segments": probe + [{"text": ".", "shared": False}]}, self.args.method)
         self.check_method(ann, body.get("lora_path"))
-        share = ChatShare(self, raw, shared)
+        share = ChatShare(self, raw=raw, shared=shared)
         new_body = json.dumps({k: v for k, v in body.items() if k != KEY}).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new_body)).encode()))
-        scope = dict(scope, headers=headers, state={**scope.get("state", {}), KEY: share})
+        scope = in_scope(dict(scope, headers=with_length(scope["headers"], len(new_body))), share)
         send = _stream_record_send(send, share) if body.get("stream") else _json_record_send(send, share)
         await self.app(scope, replay(new_body, receive), send)
 
@@ -132,8 +125,7 @@ def _json_record_send(send, share: ChatShare):
             answer = None
         if isinstance(answer, dict):
             body = json.dumps({**answer, KEY: share.record}).encode()
-        headers = [(k, v) for k, v in held["start"].get("headers", []) if k.lower() != b"content-length"]
-        await send(dict(held["start"], headers=headers + [(b"content-length", str(len(body)).encode())]))
+        await send(dict(held["start"], headers=with_length(held["start"].get("headers", []), len(body))))
         await send({"type": "http.response.body", "body": body})
 
     return wrapped

@@ -17,22 +17,18 @@ from __future__ import annotations
 
 from sglang_kvshare.integration.hookspec import HookSet
 from sglang_kvshare.integration.server.annotate import with_spec
+from sglang_kvshare.integration.server.chat import ChatShare
+from sglang_kvshare.integration.server.share import share_of
 from sglang_kvshare.segments import AnnotationError
-from sglang_kvshare.segments.wire import KEY
 
 HOOKS = HookSet()
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 
 
-def share_of(raw_request):
-    """The ``ChatShare`` the middleware put into a request's ASGI scope (None: not annotated)."""
-    return None if raw_request is None else (raw_request.scope.get("state") or {}).get(KEY)
-
-
 @HOOKS.around(f"{_CHAT}._convert_to_internal_request", ("self", "request", "raw_request"))
 def convert_to_internal_request(ctx, original, serving, request, raw_request=None):
     share = share_of(raw_request)
-    if share is None:
+    if not isinstance(share, ChatShare):
         return original(serving, request, raw_request)
     if request.input_ids is not None:
         raise AnnotationError("kvshare: the prompt is given by the messages; do not also send input_ids")

@@ -5,17 +5,19 @@ the HTTP process runs (``/generate``, the OpenAI endpoints, the plugin's own pre
   emits it once per request; streamed chunks after that carry it too);
 - a finished annotated request's record is counted in the ``kvshare_*`` metrics when SGLang's
   metrics are on, streamed or not;
-- an annotated chat request (a ``ChatShare`` in its ASGI scope, ``chat.py``) first gets the
-  prefills its method needs (``prefills.py``); its record is kept for the answer, and when it is
-  done the agent's output tokens are remembered (ReBaseShared LP: its rebuild is queued).
+- an annotated request the middleware handed on (a ``share.RequestShare`` in its ASGI scope:
+  ``/generate``, or a chat request once SGLang converted it) first gets the prefills its method
+  needs; its record is kept for the answer; when its first choice is complete, the agent's
+  output tokens are remembered (ReBaseShared LP: its rebuild is queued). That happens at the
+  final output, before it is yielded: SGLang takes only the first output of a request that does
+  not stream.
 """
 
 from __future__ import annotations
 
 from sglang_kvshare.integration.hookspec import HookSet
 from sglang_kvshare.integration.server.annotate import with_spec
-from sglang_kvshare.integration.server.chat_serving import share_of
-from sglang_kvshare.methods import get_method
+from sglang_kvshare.integration.server.share import share_of
 from sglang_kvshare.segments.wire import KEY, one_record
 
 HOOKS = HookSet()
@@ -25,14 +27,13 @@ HOOKS = HookSet()
 async def generate_request(ctx, original, manager, obj, request=None):
     share = share_of(request)
     if share is not None and share.wire is not None:
-        obj.sampling_params = with_spec(obj.sampling_params, await share.owner.prepare(
-            share.ann, share.wire, share.input_ids))
+        obj.sampling_params = with_spec(obj.sampling_params, await share.prepare())
     else:
         share = None
     count = bool(getattr(manager, "enable_metrics", False))
     incremental = bool(obj.stream) and manager.incremental_streaming_output
     records: dict[int, dict] = {}  # output index -> the latest record
-    first = {"text": "", "output_ids": []}  # the first choice's answer so far (annotated chat)
+    text, ids = [], []  # the first choice's answer so far (incremental streaming)
     async for out in original(manager, obj, request):
         for item in out if isinstance(out, list) else [out]:
             meta = item.get("meta_info")
@@ -41,16 +42,18 @@ async def generate_request(ctx, original, manager, obj, request=None):
             if record is None:
                 continue
             records[index] = meta[KEY] = record
-            if count and meta.get("finish_reason") is not None:
+            finished = meta.get("finish_reason") is not None
+            if count and finished:
                 ctx.metrics.record(record)
-            if share is not None:
-                share.record = record
-                if index == 0:
-                    first = {**item, "text": first["text"] + item.get("text", ""),
-                             "output_ids": first["output_ids"] + list(item.get("output_ids") or [])} \
-                        if incremental else item
+            if share is None:
+                continue
+            share.record = record
+            if index == 0:
+                answer = item
+                if incremental:
+                    text.append(item.get("text", ""))
+                    ids.extend(item.get("output_ids") or ())
+                    answer = {**item, "text": "".join(text), "output_ids": ids}
+                if finished:
+                    share.finish(answer, obj.lora_path)
         yield out
-    if share is not None:
-        share.owner.remember(share.ann, first)
-        if get_method(share.ann.method).lr_sharing == "rebase_lp" and obj.lora_path is not None:
-            share.owner.queue_rebuild(share.ann, share.input_ids, first)

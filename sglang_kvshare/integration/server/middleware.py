@@ -1,10 +1,11 @@
 """The HTTP process's layer: an ASGI middleware on SGLang's own FastAPI app for annotated requests.
 
 For a ``POST /generate`` whose JSON body has a ``kvshare`` object, it validates and tokenises the
-annotation (``annotate.py``; HTTP 400 naming the defect), adds the prefills the method needs
-(``prefills.py``), forwards the request to SGLang as ``input_ids`` and reads the response to
-remember the agent's output tokens (``responses.py``). An annotated ``/v1/chat/completions`` goes
-to SGLang's own chat serving (``chat.py``, ``chat_serving.py``).
+annotation (``annotate.py``; HTTP 400 naming the defect) and forwards the request to SGLang as
+``input_ids``, with a ``share.RequestShare`` in its ASGI scope: the ``generate_request`` hook
+(``generate.py``) runs the prefills the method needs (``prefills.py``) and remembers the agent's
+output tokens. An annotated ``/v1/chat/completions`` goes to SGLang's own chat serving
+(``chat.py``, ``chat_serving.py``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,12 @@ from cachetools import FIFOCache
 from sglang.srt.entrypoints.http_server import get_global_state
 
 from sglang_kvshare.config import KVShareArgs
-from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens, spec_of, with_spec
-from sglang_kvshare.integration.server.asgi import read_body, replay, send_json
+from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens
+from sglang_kvshare.integration.server.asgi import read_body, replay, send_json, with_length
 from sglang_kvshare.integration.server.chat import ChatMixin
 from sglang_kvshare.integration.server.prefills import PrefillMixin
-from sglang_kvshare.integration.server.responses import ResponseMixin
-from sglang_kvshare.methods import get_method
+from sglang_kvshare.integration.server.share import RequestShare, in_scope
 from sglang_kvshare.segments import AnnotationError
-from sglang_kvshare.segments.spec import KVShareAnnotation
 from sglang_kvshare.segments.wire import KEY
 
 logger = logging.getLogger(__name__)
@@ -33,7 +32,7 @@ logger = logging.getLogger(__name__)
 CHAT_PATH = "/v1/chat/completions"
 
 
-class KVShareMiddleware(AnnotationMixin, PrefillMixin, ResponseMixin, ChatMixin):
+class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin):
     def __init__(self, app, args: KVShareArgs, get_tokenizer_manager: Callable):
         self.app = app
         self.args = args
@@ -57,27 +56,13 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ResponseMixin, ChatMixin)
         try:
             if path == CHAT_PATH:
                 return await self.chat(scope, receive, send, payload)
-            ann, payload = self.rewrite(payload)
+            ann, wire, payload = self.rewrite(payload)
         except AnnotationError as e:
             return await send_json(send, 400, {"error": {"message": f"kvshare: {e}", "code": 400}})
-        await self.forward_generate(scope, receive, send, ann, payload)
-
-    async def forward_generate(self, scope, receive, send, ann: KVShareAnnotation, payload: dict) -> None:
-        """Send a rewritten /generate body to SGLang, recording the agent's output tokens."""
-        method = get_method(ann.method)
-        ids = payload["input_ids"]
-        wire = await self.prepare(ann, spec_of(payload["sampling_params"]), ids)
-        payload["sampling_params"] = with_spec(payload["sampling_params"], wire)
-        new_body = json.dumps(payload).encode()
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        headers.append((b"content-length", str(len(new_body)).encode()))
-        scope = dict(scope, headers=headers)
-        on_done = None
-        if method.lr_sharing == "rebase_lp" and payload.get("lora_path") is not None:
-            on_done = lambda out: self.queue_rebuild(ann, ids, out)  # noqa: E731
-        if payload.get("stream"):
-            return await self.app(scope, replay(new_body, receive), self._streaming_send(send, ann, on_done))
-        return await self.app(scope, replay(new_body, receive), self._recording_send(send, ann, on_done))
+        share = RequestShare(self, ann, payload["input_ids"], wire)
+        body = json.dumps(payload).encode()
+        scope = in_scope(dict(scope, headers=with_length(scope["headers"], len(body))), share)
+        await self.app(scope, replay(body, receive), send)
 
 
 def install(app, args: KVShareArgs) -> None:

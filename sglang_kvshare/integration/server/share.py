@@ -1,0 +1,43 @@
+"""One annotated request on its way through SGLang (HTTP process): what the middleware leaves in
+its ASGI scope for the ``generate_request`` hook (``generate.py``), which runs the method's
+prefills, keeps the request's ``kvshare`` record and remembers the agent's output tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sglang_kvshare.methods import get_method
+from sglang_kvshare.segments import WireSpec
+from sglang_kvshare.segments.spec import KVShareAnnotation
+from sglang_kvshare.segments.wire import KEY
+
+
+@dataclass
+class RequestShare:
+    owner: Any  # the middleware: its output memory, tokenisation and prefills
+    ann: Optional[KVShareAnnotation] = None
+    input_ids: Optional[list[int]] = None
+    wire: Optional[WireSpec] = None
+    record: Optional[dict] = None  # the latest ``meta_info.kvshare``
+
+    async def prepare(self) -> WireSpec:
+        """The spec to send, after the prefills the method needs."""
+        return await self.owner.prepare(self.ann, self.wire, self.input_ids)
+
+    def finish(self, answer: dict, lora_path) -> None:
+        """The first choice's answer is complete: remember the agent's output tokens; ReBaseShared
+        LP queues the adapter-free rebuild of an adapted turn."""
+        self.owner.remember(self.ann, answer)
+        if get_method(self.ann.method).lr_sharing == "rebase_lp" and lora_path is not None:
+            self.owner.queue_rebuild(self.ann, self.input_ids, answer)
+
+
+def in_scope(scope: dict, share: RequestShare) -> dict:
+    """``scope`` with ``share`` in its state (a copy; the state dict is new too)."""
+    return dict(scope, state={**scope.get("state", {}), KEY: share})
+
+
+def share_of(raw_request) -> Optional[RequestShare]:
+    """The share the middleware put into a request's ASGI scope (None: not annotated)."""
+    return None if raw_request is None else (raw_request.scope.get("state") or {}).get(KEY)
