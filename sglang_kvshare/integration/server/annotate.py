@@ -53,8 +53,7 @@ class AnnotationMixin:
     def tokenize(self, ann: KVShareAnnotation) -> tuple[list[int], WireSpec]:
         """The prompt's token ids (each segment on its own; an ``out:<agent>`` segment as the
         output tokens that agent produced) and the spec the scheduler gets."""
-        tm = self.get_tm()
-        tok = tm.tokenizer
+        tok = self.get_tm().tokenizer
 
         def slot_tokens(slot: str, text: str):
             agent = output_agent(slot)
@@ -63,22 +62,25 @@ class AnnotationMixin:
         prompt = tokenize_segments(
             ann.segments, lambda t: tok.encode(t, add_special_tokens=False), special_prefix(tok), slot_tokens
         )
-        if len(prompt.input_ids) >= tm.context_len:
+        return prompt.input_ids, self.spec(ann, len(prompt.input_ids), prompt.spans)
+
+    def spec(self, ann: KVShareAnnotation, num_tokens: int, spans) -> WireSpec:
+        """The spec the scheduler gets for a prompt of ``num_tokens`` cut into ``spans``."""
+        context_len = self.get_tm().context_len
+        if num_tokens >= context_len:
             raise AnnotationError(
-                f"the prompt has {len(prompt.input_ids)} tokens; the model's context is "
-                f"{tm.context_len} tokens"
+                f"the prompt has {num_tokens} tokens; the model's context is {context_len} tokens"
             )
-        wire = WireSpec(
+        return WireSpec(
             workflow=ann.workflow,
             agent=ann.agent,
             method=ann.method,
-            spans=tuple(prompt.spans),
+            spans=tuple(spans),
             sources=ann.sources,
             recompute_ratio=ann.recompute_ratio,
             tau=ann.tau,
             target_rho=ann.target_rho,
         )
-        return prompt.input_ids, wire
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:
         """Validate and tokenise a ``/generate`` body; returns the annotation, its spec and the
@@ -90,12 +92,22 @@ class AnnotationMixin:
                 )
         ann = parse_annotation(payload[KEY], self.args.method)
         self.check_method(ann, payload.get("lora_path"))
+        wire, out = self.forward_body(payload, ann)
+        return ann, wire, out
+
+    def forward_body(self, payload: dict, ann: KVShareAnnotation) -> tuple[WireSpec, dict]:
+        """``payload`` as SGLang gets it: the annotation's ``input_ids``, its spec in the sampling
+        parameters, the agent's namespace (``extra_key``)."""
         input_ids, wire = self.tokenize(ann)
-        out = {k: v for k, v in payload.items() if k != KEY}
+        return wire, self.body_with(payload, input_ids, wire)
+
+    @staticmethod
+    def body_with(payload: dict, input_ids: list[int], wire: WireSpec) -> dict:
+        out = {k: v for k, v in payload.items() if k not in (KEY, "text")}
         out["input_ids"] = input_ids
         out["sampling_params"] = with_spec(out.get("sampling_params"), wire)
         out["extra_key"] = wire.namespace
-        return ann, wire, out
+        return out
 
     def remember(self, ann: KVShareAnnotation, out) -> None:
         """Keep the agent's output token ids (``out``: a parsed answer with ``output_ids`` and

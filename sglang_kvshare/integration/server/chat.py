@@ -15,26 +15,35 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from sglang_kvshare.integration.server.annotate import special_prefix
 from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events, with_length
 from sglang_kvshare.integration.server.share import RequestShare, in_scope
 from sglang_kvshare.segments import AnnotationError, parse_annotation
-from sglang_kvshare.segments.wire import KEY
+from sglang_kvshare.segments.detect import Piece
+from sglang_kvshare.segments.wire import KEY, output_agent
 
 
 @dataclass
 class ChatShare(RequestShare):
-    """An annotated chat request: its annotation is complete once SGLang rendered the prompt."""
+    """A chat request to share: its annotation is complete once SGLang rendered the prompt."""
 
     raw: dict = field(default_factory=dict)  # the ``kvshare`` object without ``shared_messages``
-    shared: dict[int, tuple[str, str]] = field(default_factory=dict)  # message index -> (slot, content)
+    pieces: list[Piece] = field(default_factory=list)  # shared texts, in prompt order
 
-    def annotate(self, prompt: str, tok) -> list[int]:
-        """The segments of SGLang's rendered ``prompt`` (each shared message's content a PH
-        segment), parsed and tokenised; returns the token ids."""
-        self.ann = parse_annotation({**self.raw, "segments": chat_segments(prompt, tok, self.shared)},
+    def annotate(self, prompt: str, tok, stock_ids: list[int]) -> list[int]:
+        """The segments of SGLang's rendered ``prompt`` (each piece a PH segment), parsed and
+        tokenised; returns the token ids. Detected pieces (``auto``) are cut from SGLang's own
+        token ids ``stock_ids`` instead (``AutoMixin.detected``)."""
+        if self.auto is not None:
+            found = self.owner.detected(self.raw, self.pieces, self.auto, prompt, stock_ids)
+            if found is None:
+                return list(stock_ids)  # ``wire`` stays None: the request runs unshared
+            self.ann, self.wire = found
+            self.input_ids = list(stock_ids)
+            return self.input_ids
+        self.ann = parse_annotation({**self.raw, "segments": chat_segments(prompt, tok, self.pieces)},
                                     self.owner.args.method)
         self.input_ids, self.wire = self.owner.tokenize(self.ann)
         return self.input_ids
@@ -49,20 +58,26 @@ class ChatMixin:
         if not isinstance(raw, dict):
             raise AnnotationError("kvshare must be an object")
         raw = dict(raw)
-        shared = shared_contents(body.get("messages"), raw.pop("shared_messages", {}))
+        pieces = shared_contents(body.get("messages"), raw.pop("shared_messages", {}))
         # every other field is checked now, before SGLang sees the request
-        probe = [{"text": content, "shared": True, "slot": slot} for slot, content in shared.values()]
+        probe = [{"text": p.text, "shared": True, "slot": p.slot} for p in pieces]
         ann = parse_annotation({**raw, "segments": probe + [{"text": ".", "shared": False}]}, self.args.method)
         self.check_method(ann, body.get("lora_path"))
-        share = ChatShare(self, raw=raw, shared=shared)
-        new_body = json.dumps({k: v for k, v in body.items() if k != KEY}).encode()
+        share = ChatShare(self, raw=raw, pieces=pieces)
+        share.sources_missing = self.note_sources(ann.workflow, any(output_agent(p.slot) for p in pieces))
+        await self.hand_on(scope, receive, send, {k: v for k, v in body.items() if k != KEY}, share)
+
+    async def hand_on(self, scope, receive, send, body: dict, share: ChatShare) -> None:
+        """SGLang's chat serving runs ``body`` with ``share`` in the request's scope; the answer
+        gets the request's record."""
+        new_body = json.dumps(body).encode()
         scope = in_scope(dict(scope, headers=with_length(scope["headers"], len(new_body))), share)
         send = _stream_record_send(send, share) if body.get("stream") else _json_record_send(send, share)
         await self.app(scope, replay(new_body, receive), send)
 
 
-def shared_contents(messages: Any, shared: Any) -> dict[int, tuple[str, str]]:
-    """``kvshare.shared_messages`` checked against ``messages``: index -> (slot, content)."""
+def shared_contents(messages: Any, shared: Any) -> list[Piece]:
+    """``kvshare.shared_messages`` checked against ``messages``: the shared contents in order."""
     if not isinstance(messages, list) or not messages:
         raise AnnotationError("messages must be a non-empty list")
     if not isinstance(shared, dict):
@@ -71,7 +86,7 @@ def shared_contents(messages: Any, shared: Any) -> dict[int, tuple[str, str]]:
         slots = {int(k): v for k, v in shared.items()}
     except (TypeError, ValueError):
         raise AnnotationError("kvshare.shared_messages keys must be message indices") from None
-    out = {}
+    out = []
     for i, slot in sorted(slots.items()):
         if not 0 <= i < len(messages):
             raise AnnotationError(f"kvshare.shared_messages names message {i}; there are {len(messages)}")
@@ -80,25 +95,25 @@ def shared_contents(messages: Any, shared: Any) -> dict[int, tuple[str, str]]:
             raise AnnotationError(f"message {i} must have non-empty string content to be shared")
         if not isinstance(slot, str) or not slot:
             raise AnnotationError(f"kvshare.shared_messages[{i}] must be a slot name")
-        out[i] = (slot, content)
+        out.append(Piece(slot, content, i, "annotated", None))
     return out
 
 
-def chat_segments(prompt: str, tok, shared: dict[int, tuple[str, str]]) -> list[dict]:
-    """Segments of a rendered chat ``prompt``: each shared message's content (in message order)
-    a PH segment, the text around them PF segments."""
+def chat_segments(prompt: str, tok, pieces: list[Piece]) -> list[dict]:
+    """Segments of a rendered chat ``prompt``: each piece's text (in order) a PH segment, the
+    text around them PF segments."""
     prefix = tok.decode(special_prefix(tok))
     if prefix and prompt.startswith(prefix):
         prompt = prompt[len(prefix):]  # the tokenizer adds it again
     segments, cursor = [], 0
-    for i, (slot, content) in sorted(shared.items()):
-        at = prompt.find(content, cursor)
+    for piece in pieces:
+        at = prompt.find(piece.text, cursor)
         if at < 0:
-            raise AnnotationError(f"message {i}'s content does not appear in the rendered chat prompt")
+            raise AnnotationError(f"message {piece.message}'s content does not appear in the rendered chat prompt")
         if at > cursor:
             segments.append({"text": prompt[cursor:at], "shared": False})
-        segments.append({"text": content, "shared": True, "slot": slot})
-        cursor = at + len(content)
+        segments.append({"text": piece.text, "shared": True, "slot": piece.slot})
+        cursor = at + len(piece.text)
     if cursor < len(prompt):
         segments.append({"text": prompt[cursor:], "shared": False})
     return segments
@@ -124,7 +139,7 @@ def _json_record_send(send, share: ChatShare):
         except ValueError:
             answer = None
         if isinstance(answer, dict):
-            body = json.dumps({**answer, KEY: share.record}).encode()
+            body = json.dumps({**answer, KEY: share.with_notes(share.record or {})}).encode()
         await send(dict(held["start"], headers=with_length(held["start"].get("headers", []), len(body))))
         await send({"type": "http.response.body", "body": body})
 
@@ -145,9 +160,9 @@ def _stream_record_send(send, share: ChatShare):
             return held + b"\n\n"
         chunk = held_chunk(held)
         if chunk is not None and chunk.get("choices") == []:
-            return b"data: " + json.dumps({**chunk, KEY: share.record}).encode() + b"\n\n"
+            return b"data: " + json.dumps({**chunk, KEY: share.with_notes(share.record or {})}).encode() + b"\n\n"
         head = {k: chunk[k] for k in ("id", "created", "model") if k in chunk} if chunk else {}
-        last = {**head, "object": "chat.completion.chunk", "choices": [], KEY: share.record}
+        last = {**head, "object": "chat.completion.chunk", "choices": [], KEY: share.with_notes(share.record or {})}
         return held + b"\n\n" + b"data: " + json.dumps(last).encode() + b"\n\n"
 
     def fix(event: bytes) -> bytes:

@@ -38,6 +38,8 @@ def convert_to_internal_request(ctx, original, serving, request, raw_request=Non
     finally:
         ctx.converting.pop(id(request), None)
     if share.wire is None:
+        if share.auto is not None:
+            return adapted, processed  # nothing detected survived tokenisation: runs unshared
         raise AnnotationError("kvshare: this model's chat prompt does not round-trip through text; "
                               "its messages cannot be shared")
     adapted.sampling_params = with_spec(adapted.sampling_params, share.wire)
@@ -53,7 +55,7 @@ def process_messages(ctx, original, serving, request, *args, **kwargs):
         return result
     tok = serving.tokenizer_manager.tokenizer
     try:  # the rendered prompt's text, as SGLang reads it for a multimodal prompt
-        result.prompt_ids = share.annotate(result.prompt or tok.decode(result.prompt_ids), tok)
+        result.prompt_ids = share.annotate(result.prompt or tok.decode(result.prompt_ids), tok, result.prompt_ids)
     except AnnotationError as e:
         raise AnnotationError(f"kvshare: {e}") from None
     return result

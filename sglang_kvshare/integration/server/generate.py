@@ -38,7 +38,10 @@ async def generate_request(ctx, original, manager, obj, request=None):
         for item in out if isinstance(out, list) else [out]:
             meta = item.get("meta_info")
             index = item.get("index", 0)
-            record = None if meta is None else one_record(meta.get(KEY)) or records.get(index)
+            record = None if meta is None else one_record(meta.get(KEY))
+            if record is not None and share is not None:
+                record = share.with_notes(record)
+            record = record or records.get(index)
             if record is None:
                 continue
             records[index] = meta[KEY] = record

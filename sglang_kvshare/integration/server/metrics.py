@@ -17,6 +17,8 @@ registry as SGLang's own.
 | `kvshare_correction_seconds` | method | histogram of a request's correction time |
 | `kvshare_anchor_bytes` | method | the method's anchor memory (at its last corrected request) |
 | `kvshare_lr_bytes` | | LR-cache memory (at the last LR-cache request) |
+| `kvshare_detected_spans_total` | kind | shared spans found by automatic detection (output, context) |
+| `kvshare_sources_missing_total` | | requests that refer to earlier turns this worker never served |
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class Metrics:
                 "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
                                       ["method"], multiprocess_mode="mostrecent"),
                 "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
+                "detected": Counter("kvshare_detected_spans_total",
+                                    "Shared spans found by automatic detection", ["kind"]),
+                "sources_missing": Counter("kvshare_sources_missing_total",
+                                           "Requests referring to earlier turns this worker never served"),
             }
             for key, doc in TOKEN_COUNTERS:
                 m[key] = Counter(f"kvshare_{key}_total", doc, ["method"])
@@ -83,3 +89,7 @@ class Metrics:
             m["anchor_bytes"].labels(method).set(meta["anchor_bytes"])
         if meta.get("lr_bytes") is not None:
             m["lr_bytes"].set(meta["lr_bytes"])
+        for piece in (meta.get("auto") or {}).get("detected") or ():
+            m["detected"].labels(piece["kind"]).inc()
+        if meta.get("sources_missing"):
+            m["sources_missing"].inc()

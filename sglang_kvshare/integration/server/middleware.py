@@ -21,18 +21,19 @@ from sglang.srt.entrypoints.http_server import get_global_state
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens
 from sglang_kvshare.integration.server.asgi import read_body, replay, send_json, with_length
+from sglang_kvshare.integration.server.auto import AutoMixin
 from sglang_kvshare.integration.server.chat import ChatMixin
 from sglang_kvshare.integration.server.prefills import PrefillMixin
 from sglang_kvshare.integration.server.share import RequestShare, in_scope
 from sglang_kvshare.segments import AnnotationError
-from sglang_kvshare.segments.wire import KEY
+from sglang_kvshare.segments.wire import KEY, output_agent
 
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 
 
-class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin):
+class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
     def __init__(self, app, args: KVShareArgs, get_tokenizer_manager: Callable):
         self.app = app
         self.args = args
@@ -41,6 +42,7 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin):
         self.referenced: FIFOCache = FIFOCache(16 * args.max_workflows)
         self.rebuilds: FIFOCache = FIFOCache(args.max_workflows)  # workflow -> its queued LP rebuilds
         self.rebuild_tasks: set = set()  # strong references until done (asyncio keeps weak ones)
+        self.init_auto()
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path") if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -51,15 +53,28 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin):
             payload = json.loads(body) if body else None
         except ValueError:
             payload = None
-        if not isinstance(payload, dict) or KEY not in payload:
+        if not isinstance(payload, dict):
             return await self.app(scope, replay(body, receive), send)
         try:
-            if path == CHAT_PATH:
-                return await self.chat(scope, receive, send, payload)
-            ann, wire, payload = self.rewrite(payload)
+            if KEY in payload:
+                if path == CHAT_PATH:
+                    return await self.chat(scope, receive, send, payload)
+                ann, wire, payload = self.rewrite(payload)
+                share = RequestShare(self, ann, payload["input_ids"], wire)
+                share.sources_missing = self.note_sources(
+                    ann.workflow, any(output_agent(s.slot) for s in wire.spans if s.shared))
+            else:
+                method = self.auto_method(scope["headers"])
+                if method is not None and path == CHAT_PATH:
+                    if await self.auto_chat(scope, receive, send, payload, method):
+                        return
+                    method = None
+                found = None if method is None else self.auto_generate(scope["headers"], payload, method)
+                if found is None:
+                    return await self.app(scope, replay(body, receive), send)
+                share, payload = found
         except AnnotationError as e:
             return await send_json(send, 400, {"error": {"message": f"kvshare: {e}", "code": 400}})
-        share = RequestShare(self, ann, payload["input_ids"], wire)
         body = json.dumps(payload).encode()
         scope = in_scope(dict(scope, headers=with_length(scope["headers"], len(body))), share)
         await self.app(scope, replay(body, receive), send)

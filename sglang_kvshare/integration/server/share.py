@@ -20,6 +20,18 @@ class RequestShare:
     input_ids: Optional[list[int]] = None
     wire: Optional[WireSpec] = None
     record: Optional[dict] = None  # the latest ``meta_info.kvshare``
+    # automatic detection (``--kvshare-auto``): scope, agent, detected and dropped pieces; the
+    # record carries it as ``auto``
+    auto: Optional[dict] = None
+    sources_missing: bool = False  # it refers to earlier turns this worker never served
+
+    def with_notes(self, record: dict) -> dict:
+        """The scheduler's ``record`` with what the HTTP process adds: ``auto`` and
+        ``sources_missing``."""
+        notes = {"auto": self.auto} if self.auto is not None else {}
+        if self.sources_missing:
+            notes["sources_missing"] = True
+        return {**record, **notes} if notes else record
 
     async def prepare(self) -> WireSpec:
         """The spec to send, after the prefills the method needs."""
@@ -29,6 +41,8 @@ class RequestShare:
         """The first choice's answer is complete: remember the agent's output tokens; ReBaseShared
         LP queues the adapter-free rebuild of an adapted turn."""
         self.owner.remember(self.ann, answer)
+        if self.auto is not None:
+            self.owner.remember_response(self.ann.workflow, self.ann.agent, answer.get("text", ""))
         if get_method(self.ann.method).lr_sharing == "rebase_lp" and lora_path is not None:
             self.owner.queue_rebuild(self.ann, self.input_ids, answer)
 
