@@ -5,8 +5,9 @@ command does not take goes to each of them) on ports ``--worker-base-port``, +1,
 URL`` (repeatable) adds workers started by hand, on this host or others. When the workers answer
 ``/health``, the router (``python -m smg.launch_router``) starts on ``--host``/``--port`` in front of
 them, with workflow affinity: ``--routing-key-override`` pins every request that carries the
-``X-SMG-Routing-Key`` header (our clients put ``kvshare.workflow`` there, see
-``sglang_kvshare.routing``) to one worker; requests without it keep the router's policy
+``X-KVShare-Workflow`` header (the scope of automatic sharing) or the ``X-SMG-Routing-Key`` header
+(our clients put ``kvshare.workflow`` there, see ``sglang_kvshare.routing``) to one worker; the
+first present wins; requests without either keep the router's policy
 (``cache_aware`` unless ``--router-arg=--policy=...``). ``--router-arg=FLAG`` (repeatable) passes a
 flag to the router.
 
@@ -36,6 +37,7 @@ from typing import List, Optional, Sequence
 
 from sglang_kvshare.launch_server import flag_value, has_flag, without_flag
 from sglang_kvshare.routing import ROUTING_KEY_HEADER
+from sglang_kvshare.segments.detect import WORKFLOW_HEADER
 
 PROG = "python -m sglang_kvshare.launch_router"
 
@@ -47,7 +49,7 @@ PROG = "python -m sglang_kvshare.launch_router"
 ROUTER_DEFAULTS = (
     ("--policy", "cache_aware"),
     ("--routing-key-override", None),
-    ("--routing-key-headers", ROUTING_KEY_HEADER.lower()),
+    ("--routing-key-headers", (WORKFLOW_HEADER, ROUTING_KEY_HEADER.lower())),
     ("--health-check-interval-secs", "5"),
     ("--health-check-timeout-secs", "20"),
     ("--health-failure-threshold", "2"),
@@ -104,7 +106,7 @@ def router_argv(router_host: str, router_port: int, worker_urls: Sequence[str], 
         argv += ["--prometheus-host", router_host, "--prometheus-port", str(free_port(router_host))]
     for flag, value in ROUTER_DEFAULTS:
         if not has_flag(extra, flag):
-            argv += [flag] if value is None else [flag, value]
+            argv += [flag] if value is None else [flag, *value] if isinstance(value, tuple) else [flag, value]
     return argv + list(extra)
 
 

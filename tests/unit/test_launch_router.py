@@ -18,7 +18,9 @@ def test_router_gets_affinity_defaults_unless_overridden():
     argv = router_argv("127.0.0.1", 30000, ["http://a:1", "http://b:2"], ["--policy", "round_robin"])
     assert argv[:6] == ["--host", "127.0.0.1", "--port", "30000", "--worker-urls", "http://a:1"]
     assert "--routing-key-override" in argv
-    assert argv[argv.index("--routing-key-headers") + 1] == ROUTING_KEY_HEADER.lower()
+    at = argv.index("--routing-key-headers")
+    # the automatic-sharing scope header first, then the router's own
+    assert argv[at + 1 : at + 3] == ["x-kvshare-workflow", ROUTING_KEY_HEADER.lower()]
     assert argv.count("--policy") == 1 and argv[argv.index("--policy") + 1] == "round_robin"
     assert "--prometheus-port" in argv
 

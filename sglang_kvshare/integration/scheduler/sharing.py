@@ -111,6 +111,8 @@ def share_pending(ses, scheduler, req, st, rope) -> Optional[int]:
         rec = st.source(ses.registry, span.slot)
         n = 0 if rec is None else injectable_len(req, span, rec)
         result = family_of(st.method).share(ses, scheduler, req, st, i, span, rec, n, rope) if n > 0 else None
+        if rec is not None:
+            st.sources[i] = rec.agent  # the record names it even when the segment was computed
         if result is None:
             st.modes.setdefault(i, "dense_fallback" if i in st.pending else "computed")
         else:

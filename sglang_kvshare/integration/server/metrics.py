@@ -12,6 +12,7 @@ registry as SGLang's own.
 | `kvshare_reused_tokens_total` | method | prompt tokens not computed (injected, corrected, cached) |
 | `kvshare_computed_tokens_total` | method | prompt tokens computed (with reference prefills) |
 | `kvshare_injected_tokens_total` | method | tokens written from a source cache (injected or corrected) |
+| `kvshare_sourced_tokens_total` | method | tokens of shared segments that had a source (reuse = injected / sourced) |
 | `kvshare_recomputed_token_layers_total` | method | token-layers recomputed by selective recomputation |
 | `kvshare_corrections_total` | method, outcome, reason | gated segments: accepted, or rejected by reason |
 | `kvshare_correction_seconds` | method | histogram of a request's correction time |
@@ -59,6 +60,8 @@ class Metrics:
                 "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
                                       ["method"], multiprocess_mode="mostrecent"),
                 "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
+                "sourced": Counter("kvshare_sourced_tokens_total",
+                                   "Tokens of shared segments that had a source cache", ["method"]),
                 "detected": Counter("kvshare_detected_spans_total",
                                     "Shared spans found by automatic detection", ["kind"]),
                 "sources_missing": Counter("kvshare_sources_missing_total",
@@ -78,6 +81,9 @@ class Metrics:
         for key, _ in TOKEN_COUNTERS:
             if meta.get(key):
                 m[key].labels(method).inc(meta[key])
+        sourced = sum(seg.get("tokens", 0) for seg in meta.get("segments") or () if seg.get("source_agent"))
+        if sourced:
+            m["sourced"].labels(method).inc(sourced)
         for seg in meta.get("segments") or ():
             reason = seg.get("gate")
             if reason is not None:
