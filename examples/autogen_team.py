@@ -23,6 +23,7 @@ import asyncio
 import json
 import time
 import uuid
+from typing import Optional
 
 from autogen_agentchat.agents import AssistantAgent
 from autogen_agentchat.conditions import MaxMessageTermination
@@ -41,11 +42,11 @@ MODEL_INFO = {"vision": False, "function_calling": True, "json_output": True, "f
               "structured_output": True}
 
 
-async def run_team(base_url: str, seed: int, words: int, max_tokens: int) -> dict:
+async def run_team(base_url: str, seed: int, words: int, max_tokens: int, headers: Optional[dict] = None) -> dict:
     workflow = f"autogen-{seed}-{uuid.uuid4().hex[:8]}"
     client = OpenAIChatCompletionClient(model="default", base_url=base_url, api_key="none", model_info=MODEL_INFO,
                                         temperature=0, max_tokens=max_tokens,
-                                        default_headers={"X-KVShare-Workflow": workflow})
+                                        default_headers={"X-KVShare-Workflow": workflow, **(headers or {})})
     agents = [AssistantAgent(name, model_client=client, system_message=prompt, model_client_stream=True)
               for name, prompt in ROLES.items()]
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(len(agents) + 1))
@@ -72,9 +73,12 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--words", type=int, default=1500, help="length of each team's report (about 1.3 tokens a word)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
     args = p.parse_args()
+    headers = dict(h.split(":", 1) for h in args.header)
     for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(asyncio.run(run_team(args.base_url, seed, args.words, args.max_tokens))), flush=True)
+        print(json.dumps(asyncio.run(run_team(args.base_url, seed, args.words, args.max_tokens, headers))), flush=True)
 
 
 if __name__ == "__main__":

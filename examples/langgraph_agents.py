@@ -57,10 +57,11 @@ class FirstToken(BaseCallbackHandler):
             self.ttft[node] = time.perf_counter() - t0
 
 
-def build_graph(base_url: str, workflow: str, max_tokens: int, annotate: Optional[str] = None):
+def build_graph(base_url: str, workflow: str, max_tokens: int, annotate: Optional[str] = None,
+                headers: Optional[dict] = None):
     llm = ChatOpenAI(base_url=base_url, api_key="none", model="default", temperature=0,
                      max_tokens=max_tokens, streaming=True,
-                     default_headers={"X-KVShare-Workflow": workflow})
+                     default_headers={"X-KVShare-Workflow": workflow, **(headers or {})})
 
     def node(role: str):
         def run(state: MessagesState):
@@ -84,11 +85,12 @@ def build_graph(base_url: str, workflow: str, max_tokens: int, annotate: Optiona
     return graph.compile()
 
 
-def run_workflow(base_url: str, seed: int, words: int, max_tokens: int, annotate: Optional[str] = None) -> dict:
+def run_workflow(base_url: str, seed: int, words: int, max_tokens: int, annotate: Optional[str] = None,
+                 headers: Optional[dict] = None) -> dict:
     workflow = f"langgraph-{seed}-{uuid.uuid4().hex[:8]}"
     text, question = report(seed, words)
     timer = FirstToken()
-    state = build_graph(base_url, workflow, max_tokens, annotate).invoke(
+    state = build_graph(base_url, workflow, max_tokens, annotate, headers).invoke(
         {"messages": [HumanMessage(f"{text}\n\nQuestion: {question}")]}, config={"callbacks": [timer]})
     answers = [m.content for m in state["messages"][1:]]
     return {"workflow": workflow, "agents": [{"agent": role, "ttft_s": timer.ttft.get(role), "answer": answer}
@@ -102,10 +104,13 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--words", type=int, default=1500, help="length of each workflow's report (about 1.3 tokens a word)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
+                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
     p.add_argument("--annotate", metavar="METHOD", help="pass the hand-written kvshare annotation with this method")
     args = p.parse_args()
+    headers = dict(h.split(":", 1) for h in args.header)
     for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(run_workflow(args.base_url, seed, args.words, args.max_tokens, args.annotate)), flush=True)
+        print(json.dumps(run_workflow(args.base_url, seed, args.words, args.max_tokens, args.annotate, headers)), flush=True)
 
 
 if __name__ == "__main__":

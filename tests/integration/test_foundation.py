@@ -13,6 +13,7 @@ from tests.integration.workflow_helpers import (
     payload,
     private_tokens,
     run_workflow,
+    scrape_metrics,
     segments,
 )
 
@@ -267,26 +268,15 @@ def test_streamed_agents_get_the_record_and_their_output_is_a_source(tiny_server
     assert out_seg["tokens"] - out_seg["injected_tokens"] <= 1
 
 
-def _scrape(server) -> dict[tuple, float]:
-    """``kvshare_*`` samples of ``/metrics``: (name, sorted labels) -> value."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) if fam.name.startswith("kvshare_")
-            for s in fam.samples}
-
-
 def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
     import requests
 
     text = requests.get(tiny_server.url + "/metrics", timeout=30).text
     assert "sglang:" in text  # SGLang's own metrics are there beside ours
-    before = _scrape(tiny_server)
+    before = scrape_metrics(tiny_server)
     metas = [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-1", "fullshared")]
     metas += [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-2", "kvcmas", agents=("solver", "critic"))]
-    after = _scrape(tiny_server)
+    after = scrape_metrics(tiny_server)
 
     def grew(name, **labels):
         key = (name, tuple(sorted(labels.items())))
@@ -314,7 +304,7 @@ def test_streamed_annotated_requests_are_counted(tiny_server):
     import openai
 
     client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
-    before = _scrape(tiny_server)
+    before = scrape_metrics(tiny_server)
     chunks = list(client.chat.completions.create(
         model="default", max_tokens=4, temperature=0, stream=True,
         messages=[{"role": "system", "content": SYSTEM["solver"]}, {"role": "user", "content": QUESTION}],
@@ -324,7 +314,7 @@ def test_streamed_annotated_requests_are_counted(tiny_server):
     events = tiny_server.stream(payload("metrics-stream", "critic", "nonshared", segments("critic", {}), 4))
     records = [e["meta_info"]["kvshare"] for e in events]
     assert all(r["agent"] == "critic" for r in records)
-    after = _scrape(tiny_server)
+    after = scrape_metrics(tiny_server)
     grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert grew[("kvshare_requests_total", (("method", "nonshared"),))] == 2
     assert grew[("kvshare_prompt_tokens_total", (("method", "nonshared"),))] == (

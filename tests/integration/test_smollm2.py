@@ -74,34 +74,38 @@ def _features_of(answer, feature):
     return [c.message.content for c in answer.choices]
 
 
+@pytest.mark.parametrize("how", ["annotated", "auto"])
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_an_annotated_chat_keeps_sglangs_chat_features(servers, feature):
-    """Tool calls, json_schema, logprobs, n and seed on an annotated chat request (SGLang's own chat
-    serving): the first agent's answer equals stock SGLang's (greedy), and the later agent, whose
-    question is injected, still gets a parsed tool call, schema-valid JSON, logprobs, two choices."""
+def test_a_shared_chat_keeps_sglangs_chat_features(servers, feature, how):
+    """Tool calls, json_schema, logprobs, n and seed on a shared chat request (SGLang's own chat
+    serving), annotated or detected automatically (headers only): the first agent's answer
+    equals stock SGLang's (greedy), and the later agent, whose question is injected, still gets a
+    parsed tool call, schema-valid JSON, logprobs, two choices."""
     import openai
 
     ours, stock = servers
+    workflow = f"chat-{feature}-{how}"
 
-    def ask(server, agent, workflow=None):
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    def ask(server, agent, share=False):
+        headers = {"X-KVShare-Workflow": workflow, "X-KVShare-Method": "fullshared"} if share and how == "auto" else {}
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, default_headers=headers)
         kwargs = {"temperature": 0, **FEATURES[feature]}
-        extra = {} if workflow is None else {"kvshare": {
-            "workflow": workflow, "agent": agent, "method": "fullshared", "shared_messages": {"1": "q"}}}
+        extra = {"kvshare": {"workflow": workflow, "agent": agent, "method": "fullshared",
+                             "shared_messages": {"1": "q"}}} if share and how == "annotated" else {}
         return client.chat.completions.create(
             model="default", extra_body=extra, **kwargs,
             messages=[{"role": "system", "content": f"You are the {agent} of a logistics team."},
                       {"role": "user", "content": CONTEXT + "Which city has the figs?"}])
 
-    workflow = f"chat-{feature}"
     plain = ask(stock, "solver")
-    first = ask(ours, "solver", workflow)
-    later = ask(ours, "critic", workflow)
+    first = ask(ours, "solver", share=True)
+    later = ask(ours, "critic", share=True)
     # n = 2: two requests of one agent; the record is the last one's, which may reuse the first's q
     assert first.model_extra["kvshare"]["segments"][1]["mode"] in (
         ("computed", "injected") if feature == "n_seed" else ("computed",))
     q = later.model_extra["kvshare"]["segments"][1]
-    assert q["slot"] == "q" and q["mode"] == "injected" and q["injected_tokens"] == q["tokens"] > 100
+    assert q["slot"] == ("q" if how == "annotated" else first.model_extra["kvshare"]["auto"]["detected"][0]["slot"])
+    assert q["mode"] == "injected" and q["injected_tokens"] == q["tokens"] > 60
     assert later.usage.prompt_tokens == later.model_extra["kvshare"]["prompt_tokens"]
     if feature != "n_seed":  # SGLang's sampling on the CPU does not repeat under a seed, stock or ours
         assert _features_of(first, feature) == _features_of(plain, feature)

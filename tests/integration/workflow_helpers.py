@@ -67,3 +67,14 @@ def settle(server, timeout: float = 120.0) -> dict:
             assert kv["pending_observations"] == 0, f"observations still pending after {timeout}s: {kv}"
             return kv
         time.sleep(0.2)
+
+
+def scrape_metrics(server) -> dict[tuple, float]:
+    """``kvshare_*`` samples of ``/metrics``: (name, sorted labels) -> value."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) if fam.name.startswith("kvshare_")
+            for s in fam.samples}

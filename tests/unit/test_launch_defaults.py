@@ -70,3 +70,22 @@ def test_refused_flags_exit_with_a_message_naming_the_flag(argv, cuda, named):
 ])
 def test_accepted_flags(argv, cuda):
     check_flags(argv, cuda)
+
+
+def test_auto_sharing_flags():
+    import argparse
+
+    from sglang_kvshare.config import KVShareArgs
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    args = KVShareArgs.from_cli_args(parser.parse_args([]))
+    assert (args.auto, args.auto_min_tokens, args.auto_scope) == ("off", 64, "request")
+    args = KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-auto", "kvcmas", "--kvshare-auto-scope", "server"]))
+    assert (args.auto, args.auto_scope) == ("kvcmas", "server")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvshare-auto", "bogus"])
+    with pytest.raises(ValueError, match="--kvshare-auto must be"):
+        KVShareArgs(auto="prelr_shared")  # an LR-cache method needs --kvshare-lr-cache
+    with pytest.raises(ValueError, match="--kvshare-auto-min-tokens"):
+        KVShareArgs(auto_min_tokens=0)
