@@ -9,7 +9,7 @@ CITIES = ("Lyon", "Porto", "Graz", "Turku", "Ghent", "Bergen", "Split", "Brno", 
 GOODS = ("apples", "pears", "cables", "lamps", "chairs", "books", "tiles", "coats")
 
 
-def report(seed: int, words: int = 1500) -> tuple[str, str]:
+def report(seed: int, words: int = 1100) -> tuple[str, str]:
     """(a report of about ``words`` words, a question about it); the same seed gives the same text."""
     rng = random.Random(seed)
     lines, n = [f"Warehouse report #{seed}."], 0

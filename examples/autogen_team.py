@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
     p.add_argument("--workflows", type=int, default=1)
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1500, help="length of each team's report (about 1.3 tokens a word)")
+    p.add_argument("--words", type=int, default=1100, help="length of each team's report in words (1100: about 2K tokens)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
                    help="another default header (e.g. X-KVShare-Method:none to opt out)")

@@ -108,3 +108,13 @@ def stock_server(model_path: str, log_path: Path, *extra: str, plugin: bool = Fa
     requests alone, and this server is sent none."""
     env = {} if plugin else {"SGLANG_PLUGINS": "none"}
     return Server(["-m", "sglang.launch_server", "--model-path", model_path, *STOCK_CPU_FLAGS, *extra], log_path, env=env, **kw)
+
+
+def agents_python() -> str:
+    """The python of the agent frameworks' venv (``scripts/setup.sh``: ``$KVSHARE_AGENTS_VENV``,
+    else this venv's name + ``-agents``)."""
+    default = Path(sys.prefix).with_name(Path(sys.prefix).name + "-agents")
+    venv = Path(os.environ.get("KVSHARE_AGENTS_VENV", str(default)))
+    python = venv / "bin" / "python"
+    assert python.exists(), f"the agent frameworks' venv {venv} is missing: run scripts/setup.sh"
+    return str(python)

@@ -9,26 +9,18 @@ packages run ``examples/langgraph_agents.py`` and ``examples/autogen_team.py`` i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
 import requests
 
+from tests.integration.server import agents_python
 from tests.integration.workflow_helpers import payload, scrape_metrics, segments
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"langgraph": "langgraph_agents.py", "autogen": "autogen_team.py"}
-
-
-def agents_python() -> str:
-    venv = Path(os.environ.get("KVSHARE_AGENTS_VENV", str(Path(sys.prefix).with_name(Path(sys.prefix).name + "-agents"))))
-    python = venv / "bin" / "python"
-    assert python.exists(), f"the agent frameworks' venv {venv} is missing: run scripts/setup.sh"
-    return str(python)
 
 
 def run_example(app: str, server, *headers: str, workflows: int = 2, words: int = 200) -> list[dict]:
