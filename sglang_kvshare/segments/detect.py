@@ -126,13 +126,17 @@ class ScopeMemory:
             self.responses.pop(text, None)
             self.responses[text] = agent
 
+    def _quotable(self) -> list[tuple[str, str]]:
+        """(response, agent), newest first, of the responses long enough to search for in text."""
+        return [(t, a) for t, a in reversed(list(self.responses.items())) if len(t) >= MIN_QUOTED_CHARS]
+
     def detect(self, agent: str, contents: Sequence[Optional[str]], count_tokens: Callable[[str], int],
                min_tokens: int) -> list[Piece]:
         """The shared pieces of a prompt whose messages have ``contents`` (None: not text), in
         prompt order; new long contents are remembered as this agent's."""
         pieces: list[Piece] = []
         used: set[str] = set()
-        quoted = [(t, a) for t, a in reversed(list(self.responses.items())) if len(t) >= MIN_QUOTED_CHARS]
+        quoted = self._quotable()
         for i, content in enumerate(contents):
             if not content:
                 continue
@@ -152,7 +156,7 @@ class ScopeMemory:
         """The shared pieces of one prompt text (``/generate``), in order: earlier responses
         quoted in it, and its blank-line-separated paragraphs as contents."""
         used: set[str] = set()
-        quoted = [(t, a) for t, a in reversed(list(self.responses.items())) if len(t) >= MIN_QUOTED_CHARS]
+        quoted = self._quotable()
         found = [(text.find(p.text), p) for p in self._outputs_in(text, 0, quoted, used)]
         for k, m in enumerate(_PARAGRAPH.finditer(text)):
             at, para = m.start(), m.group()

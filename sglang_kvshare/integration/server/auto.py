@@ -57,15 +57,17 @@ class AutoMixin:
         default = None if self.args.auto == "off" else self.args.auto
         return method_of(headers, default, method_names())
 
-    def detection(self, headers, method: str, agent_messages, user) -> Optional[tuple[str, str, dict]]:
-        """(workflow, agent, the record's ``auto`` object) of a request in a scope; None without
-        a scope."""
+    def detection(self, headers, method: str, messages, user, lora_path) -> Optional[tuple[dict, dict]]:
+        """(the annotation without segments, the record's ``auto`` object) of a request in a
+        scope; None without a scope."""
         found = scope_of(headers, self.args.auto_scope == "server")
         if found is None:
             return None
         workflow, scope_from = found
-        agent, agent_from = agent_of(agent_messages, user)
-        return workflow, agent, {"scope": scope_from, "agent": agent, "agent_from": agent_from, "method": method}
+        agent, agent_from = agent_of(messages, user)
+        raw = {"workflow": workflow, "agent": agent, "method": method}
+        self.check_method(parse_annotation({**raw, "segments": [{"text": "."}]}, method), lora_path)
+        return raw, {"scope": scope_from, "agent": agent, "agent_from": agent_from, "method": method}
 
     def memory(self, workflow: str) -> ScopeMemory:
         mem = self.scopes.get(workflow)
@@ -84,16 +86,14 @@ class AutoMixin:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return False  # SGLang's own validation answers
-        found = self.detection(scope["headers"], method, messages, body.get("user"))
+        found = self.detection(scope["headers"], method, messages, body.get("user"), body.get("lora_path"))
         if found is None:
             return False
-        workflow, agent, auto = found
-        raw = {"workflow": workflow, "agent": agent, "method": method}
-        self.check_method(parse_annotation({**raw, "segments": [{"text": "."}]}, method), body.get("lora_path"))
-        refers_back = any(m.get("role") == "assistant" for m in messages)
-        missing = self.note_sources(workflow, refers_back and workflow not in self.scopes)
+        raw, auto = found
+        missing = self.note_sources(raw["workflow"], any(m.get("role") == "assistant" for m in messages))
         contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
-        pieces = self.memory(workflow).detect(agent, contents, self.count_tokens, self.args.auto_min_tokens)
+        pieces = self.memory(raw["workflow"]).detect(raw["agent"], contents, self.count_tokens,
+                                                     self.args.auto_min_tokens)
         share = ChatShare(self, raw=raw, pieces=pieces, auto=auto, sources_missing=missing)
         await self.hand_on(scope, receive, send, body, share)
         return True
@@ -105,14 +105,13 @@ class AutoMixin:
         text = payload.get("text")
         if not isinstance(text, str) or not text or payload.get("input_ids") is not None:
             return None
-        found = self.detection(headers, method, [], payload.get("user"))
+        found = self.detection(headers, method, [], payload.get("user"), payload.get("lora_path"))
         if found is None:
             return None
-        workflow, agent, auto = found
-        raw = {"workflow": workflow, "agent": agent, "method": method}
-        self.check_method(parse_annotation({**raw, "segments": [{"text": "."}]}, method), payload.get("lora_path"))
-        self.note_sources(workflow, False)
-        pieces = self.memory(workflow).detect_text(agent, text, self.count_tokens, self.args.auto_min_tokens)
+        raw, auto = found
+        self.note_sources(raw["workflow"], False)
+        pieces = self.memory(raw["workflow"]).detect_text(raw["agent"], text, self.count_tokens,
+                                                          self.args.auto_min_tokens)
         stock = self.get_tm().tokenizer.encode(text)
         found = self.detected(raw, pieces, auto, text, stock)
         if found is None:

@@ -65,11 +65,9 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
                     ann.workflow, any(output_agent(s.slot) for s in wire.spans if s.shared))
             else:
                 method = self.auto_method(scope["headers"])
-                if method is not None and path == CHAT_PATH:
-                    if await self.auto_chat(scope, receive, send, payload, method):
-                        return
-                    method = None
-                found = None if method is None else self.auto_generate(scope["headers"], payload, method)
+                if method is not None and path == CHAT_PATH and await self.auto_chat(scope, receive, send, payload, method):
+                    return
+                found = self.auto_generate(scope["headers"], payload, method) if method and path != CHAT_PATH else None
                 if found is None:
                     return await self.app(scope, replay(body, receive), send)
                 share, payload = found
