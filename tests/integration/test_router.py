@@ -55,7 +55,7 @@ def cluster(tmp_path_factory, tiny_model):
     base = _free_pair()
     # each worker keeps its anchor pools in its own file (anchors.w0.pt, anchors.w1.pt)
     worker_flags = ["--model-path", tiny_model, "--max-total-tokens", "8192",
-                    "--kvshare-anchor-pool", str(d / "anchors.pt")]
+                    "--kvshare-anchor-pool", str(d / "anchors.pt"), "--kvshare-auto", "fullshared"]
     server = Server(
         ["-m", "sglang_kvshare.launch_router", "--workers", "2", "--worker-base-port", str(base),
          "--log-dir", str(d), *worker_flags],
@@ -166,6 +166,30 @@ def test_malformed_annotation_gets_400_through_the_router(cluster):
     with pytest.raises(ServerError, match="unknown kvshare method"):
         http_sender(cluster.url)(body)
     assert post(cluster.url, agent_body("rt-bad-ok", "solver", {})).status_code == 200
+
+
+def test_unannotated_agents_are_pinned_by_the_workflow_header(cluster):
+    """Automatic sharing behind the router (workers started with ``--kvshare-auto``): the
+    ``X-KVShare-Workflow`` header pins each workflow to one worker and its later agents reuse the
+    report they did not mark. smg forwards ``Authorization`` but not our headers, so on the worker
+    the scope is the API key."""
+    workflows = [f"rt-auto-{i}" for i in range(4)]
+
+    def chat(workflow, agent):
+        body = {"model": cluster.model, "max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": f"Case {workflow}. {SHORT_Q}"}]}
+        headers = {"X-KVShare-Workflow": workflow, "Authorization": f"Bearer tenant-{workflow}"}
+        r = requests.post(cluster.url + "/v1/chat/completions", json=body, headers=headers, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.headers[ROUTED], r.json()["kvshare"]
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = dict(zip(workflows, pool.map(lambda w: chat(w, "solver"), workflows)))
+        later = dict(zip(workflows, pool.map(lambda w: chat(w, "critic"), workflows)))
+    assert {w: r[1]["auto"]["scope"] for w, r in later.items()} == {w: "api_key" for w in workflows}
+    for w in workflows:
+        assert later[w][0] == first[w][0], w
+        assert later[w][1]["injected_tokens"] > 0 and not later[w][1].get("sources_missing"), later[w][1]
 
 
 def test_serving_benchmark_reads_each_workers_memory(cluster):
