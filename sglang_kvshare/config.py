@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from sglang_kvshare.methods import get_method, method_names
+from sglang_kvshare.segments.spec import FALLBACKS
 
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 
@@ -38,6 +39,14 @@ class KVShareArgs:
         "exceeds --kvshare-max-error",
     )
     max_error: float = _flag(0.05, "relative KV error above which a shadowed correction lowers tau")
+    fallback: str = _flag(
+        "dense",
+        "what a correction method recomputes when its gate rejects: 'dense' prefills the whole "
+        "segment (the papers), 'rows' gates each --kvshare-fallback-block rows separately and "
+        "recomputes only the rejected blocks, attending the corrected rows (beyond the papers)",
+        choices=lambda: list(FALLBACKS),
+    )
+    fallback_block: int = _flag(256, "rows per gate decision with --kvshare-fallback rows")
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
@@ -130,6 +139,7 @@ class KVShareArgs:
             ("anchor_budget_mb", self.anchor_budget_mb == -1.0 or self.anchor_budget_mb >= 0.0, ">= 0 or -1"),
             ("anchor_mem_fraction", 0.0 < self.anchor_mem_fraction < 1.0, "in (0, 1)"),
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
+            ("fallback_block", self.fallback_block >= 1, ">= 1"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),

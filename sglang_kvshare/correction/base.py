@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -73,6 +73,16 @@ class KVDelta:
 
 
 @dataclass(frozen=True)
+class GateBlock:
+    """The gate's decision on rows [lo, hi) of a segment (``correct(..., block_size=...)``)."""
+
+    lo: int
+    hi: int
+    entropy: float
+    accepted: bool
+
+
+@dataclass(frozen=True)
 class CorrectionResult:
     """Outcome of ``Corrector.correct``.
 
@@ -87,6 +97,8 @@ class CorrectionResult:
         (the source when ``chained``, else the reference).
     anchor_bytes_per_token: the footprint of one anchor that took part (its base and the
         target's delta) per token it covers, averaged over those anchors (None when none did).
+    blocks: with a block gate, the decision on each block of the gated rows (accepted: the
+        correction holds where blocks were accepted; the caller recomputes ``rejected_rows``).
     """
 
     accepted: bool
@@ -97,13 +109,21 @@ class CorrectionResult:
     reason: str
     delta: Optional[KVDelta] = None
     anchor_bytes_per_token: Optional[float] = None
+    blocks: Tuple[GateBlock, ...] = ()
+
+    @property
+    def rejected_rows(self) -> Tuple[Tuple[int, int], ...]:
+        """[lo, hi) row ranges of the blocks the gate rejected, to be recomputed (an accepted
+        result with a block gate; empty otherwise)."""
+        return tuple((b.lo, b.hi) for b in self.blocks if not b.accepted) if self.accepted else ()
 
     @staticmethod
     def reject(
-        reason: str, entropy: Optional[float] = None, num_anchors: int = 0, anchor_bytes_per_token=None
+        reason: str, entropy: Optional[float] = None, num_anchors: int = 0, anchor_bytes_per_token=None,
+        blocks: Tuple[GateBlock, ...] = (),
     ) -> "CorrectionResult":
         return CorrectionResult(False, None, entropy, num_anchors, 0, reason,
-                                anchor_bytes_per_token=anchor_bytes_per_token)
+                                anchor_bytes_per_token=anchor_bytes_per_token, blocks=blocks)
 
 
 class Corrector(ABC):
@@ -128,6 +148,7 @@ class Corrector(ABC):
         reference: Optional[SegmentKV] = None,
         materialize: bool = True,
         tau: Optional[float] = None,
+        block_size: Optional[int] = None,
     ) -> CorrectionResult:
         """Estimate the target agent's cache of segment ``slot``.
 
@@ -136,6 +157,9 @@ class Corrector(ABC):
         reference: the context-free reference cache; required iff ``needs_reference``.
         materialize: also build ``result.kv`` (else only ``result.delta``).
         tau: the gate threshold for this call (None: the method's configured one).
+        block_size: gate blocks of this many rows separately (partial fallback, beyond the
+            papers): the result is accepted when any block is, and names the rejected rows in
+            ``blocks``; None: one decision for the segment. A method without a gate ignores it.
         Does not mutate the inputs; may update usage counters of the method's state.
         """
 

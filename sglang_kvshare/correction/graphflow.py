@@ -44,7 +44,8 @@ class GraphFlowCorrector(Corrector):
         self._counts: Counter = Counter()
 
     def correct(
-        self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None
+        self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None,
+        block_size=None,
     ) -> CorrectionResult:
         if reference is None:
             raise ValueError("graphflow needs the context-free reference cache")

@@ -12,6 +12,9 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
 4. Gate (eq. 9-11): d_v = sqrt(sum_l ||V[l, :k] - V~_v[l, :k]||_F^2) on VALUE states,
    g = softmax(-d / T), accept iff normalised entropy (log2) <= tau. ``gate_scale`` "relative"
    divides every d_v by the smallest one first (see ``gate.relative_distances``).
+   Partial fallback (``correct(..., block_size=B)``, beyond the paper): the same gate on each
+   block of B rows of the k gated ones (d_v over the block's rows, all layers); the correction
+   is accepted when any block is, and the rejected blocks' rows are the caller's to recompute.
 5. Correction (eq. 8): per layer and token t, w_v[t] = softmax_v(-rms_D(X[t] - X~_v[t]))
    separately for keys and values (the paper: the mean absolute distance; the root mean square
    is computed in the factors' space without reconstructing any anchor, see
@@ -39,6 +42,7 @@ import torch
 from sglang_kvshare.correction.base import (
     CorrectionResult,
     Corrector,
+    GateBlock,
     SegmentKV,
     apply_delta,
     check_pair,
@@ -181,13 +185,18 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
 
     def correct(
         self, slot, source_agent, target_agent, source, reference=None, materialize: bool = True,
-        tau: Optional[float] = None,
+        tau: Optional[float] = None, block_size: Optional[int] = None,
     ) -> CorrectionResult:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         base = self._base(source, reference)
         self._counts["num_correct"] += 1
         tau = self.config.tau if tau is None else tau
-        result = self._correct(slot, target_agent, base, source, (slot, source_agent, target_agent), materialize, tau)
+        edge = (slot, source_agent, target_agent)
+        result = self._correct(slot, target_agent, base, source, edge, materialize, tau, block_size)
         self._counts["num_accepted" if result.accepted else f"rejected_{result.reason}"] += 1
+        if result.rejected_rows:
+            self._counts["num_partial"] += 1
         return result
 
     def members(self, slot: str, target_agent: str, seq_len: int) -> Tuple[List[Anchor], int, str]:
@@ -210,25 +219,42 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
 
     def _correct(
         self, slot: str, target_agent: str, base: SegmentKV, source: SegmentKV, edge: Edge, materialize: bool,
-        tau: float,
+        tau: float, block_size: Optional[int] = None,
     ) -> CorrectionResult:
         members, k, reason = self.members(slot, target_agent, base.seq_len)
         per_token = bytes_per_token(members, target_agent)
         if reason:
             return CorrectionResult.reject(reason, num_anchors=len(members), anchor_bytes_per_token=per_token)
         sq, dist_v = self._value_distances(base, members, k)
-        entropy = None
+        entropy, blocks = None, ()
         if len(members) >= 2:
             T = self.config.gate_temperature or self.config.temperature
             _, entropy = gate(self._gate_scaled(sq.sqrt()), T)
-            if entropy > tau:
+            if block_size is not None:
+                blocks = self._gate_blocks(dist_v, base.dim, block_size, T, tau)
+                if not any(b.accepted for b in blocks):
+                    return CorrectionResult.reject("entropy", entropy, len(members), per_token, blocks)
+            elif entropy > tau:
                 return CorrectionResult.reject("entropy", entropy, len(members), per_token)
         delta = self._delta(base, members, target_agent, k, dist_v, edge)
         for a in members:
             a.use_count += 1
         kv = apply_delta(base, source, delta, k) if materialize else None
         return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta,
-                                anchor_bytes_per_token=per_token)
+                                anchor_bytes_per_token=per_token, blocks=blocks)
+
+    def _gate_blocks(
+        self, dist_v: torch.Tensor, dim: int, block_size: int, T: float, tau: float
+    ) -> Tuple[GateBlock, ...]:
+        """Eq. 9-11 on each block of ``block_size`` gated rows (the last one shorter): the block's
+        distances to the members over all layers, its entropy and decision."""
+        sq_rows = (dist_v.square() * dim).sum(1)  # [N, k]: eq. 9 squared, per row
+        blocks = []
+        for lo in range(0, sq_rows.shape[1], block_size):
+            hi = min(lo + block_size, sq_rows.shape[1])
+            _, h = gate(self._gate_scaled(sq_rows[:, lo:hi].sum(1).sqrt()), T)
+            blocks.append(GateBlock(lo, hi, h, h <= tau))
+        return tuple(blocks)
 
     def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:
         base = self._base(source, reference)

@@ -21,6 +21,9 @@ class AnnotationError(ValueError):
     """A malformed ``kvshare`` annotation; the message names the problem (HTTP 400)."""
 
 
+FALLBACKS = ("dense", "rows")  # what a correction method recomputes when its gate rejects
+
+
 @dataclass(frozen=True)
 class Segment:
     text: str
@@ -39,6 +42,8 @@ class KVShareAnnotation:
     recompute_ratio: Optional[float] = None
     tau: Optional[float] = None
     target_rho: Optional[float] = None
+    fallback: Optional[str] = None  # "dense" | "rows" (None: the server's)
+    fallback_block: Optional[int] = None
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -52,7 +57,8 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     """Validate a JSON ``kvshare`` object; raises :class:`AnnotationError` on any defect."""
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
-    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho"}
+    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho",
+             "fallback", "fallback_block"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -121,6 +127,12 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         raise AnnotationError(f"kvshare.target_rho must be a number in (0, 1], got {target_rho!r}")
     if tau is not None and target_rho is not None:
         raise AnnotationError("kvshare.tau and kvshare.target_rho exclude each other: give one")
+    fallback = raw.get("fallback")
+    if fallback is not None and fallback not in FALLBACKS:
+        raise AnnotationError(f"kvshare.fallback must be one of {list(FALLBACKS)}, got {fallback!r}")
+    block = raw.get("fallback_block")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise AnnotationError(f"kvshare.fallback_block must be an integer >= 1, got {block!r}")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -130,6 +142,8 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         recompute_ratio=None if ratio is None else float(ratio),
         tau=None if tau is None else float(tau),
         target_rho=None if target_rho is None else float(target_rho),
+        fallback=fallback,
+        fallback_block=block,
     )
 
 
@@ -195,6 +209,8 @@ class WireSpec:
     recompute_ratio: Optional[float] = None
     tau: Optional[float] = None
     target_rho: Optional[float] = None
+    fallback: Optional[str] = None
+    fallback_block: Optional[int] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
     # ReBaseShared LP: tokens of the earlier turns' adapter-free rebuilds this request waited for

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.integration.server import agents_python
-from tests.integration.workflow_helpers import payload, scrape_metrics, segments
+from tests.integration.workflow_helpers import grew, payload, scrape_metrics, segments
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = {"langgraph": "langgraph_agents.py", "autogen": "autogen_team.py"}
@@ -31,11 +31,6 @@ def run_example(app: str, server, *headers: str, workflows: int = 2, words: int 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
-
-
-def grew(before: dict, after: dict, name: str, **labels) -> float:
-    key = (name, tuple(sorted(labels.items())))
-    return after.get(key, 0.0) - before.get(key, 0.0)
 
 
 @pytest.mark.parametrize("app", sorted(EXAMPLES))

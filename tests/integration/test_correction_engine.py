@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import torch
 
-from tests.integration.workflow_helpers import payload, private_tokens, segments, settle
+from tests.integration.workflow_helpers import grew, payload, private_tokens, scrape_metrics, segments, settle
 
 
 def _question(seed: int) -> str:
@@ -104,3 +105,69 @@ def test_graphflow_applies_a_recorded_relation_without_matching(tiny_server):
     metas = _workflow(tiny_server, "gf-1", "graphflow", _question(42), ("solver", "critic"), "q-gf")
     q = metas[1]["segments"][1]
     assert q["mode"] == "corrected" and q["anchors"] == 0 and q["entropy"] is None
+
+
+def _rows_error(server, wf, agent, slot, dense_wf):
+    """Per row of a dumped segment: squared K/V distance to the dense workflow's cache."""
+    from sglang_kvshare.integration.cache.radix import _safe
+
+    def load(w):
+        return torch.load(server.dump_dir / _safe(w) / _safe(agent) / f"{_safe(slot)}.pt")
+
+    a, b = load(wf), load(dense_wf)
+    return ((a["k"] - b["k"]).square().sum((0, 2, 3)) + (a["v"] - b["v"]).square().sum((0, 2, 3))), a
+
+
+def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
+    """``fallback: rows``: the gate decides per block; the rejected blocks are recomputed in the
+    forward (closer to the dense cache than the correction was), the accepted rows keep the
+    correction, and the request is charged exactly the recomputed rows."""
+    slot, agents, block = "q-rows", ("solver", "critic"), 16
+    for seed in (51, 52):
+        _workflow(tiny_server, f"rows-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
+    rows = dict(fallback="rows", fallback_block=block)
+    probe = _workflow(tiny_server, "rows-probe", "kvcmas", _question(53), agents, slot, tau=1.0, **rows)[1]
+    q = probe["segments"][1]
+    assert q["mode"] == "corrected" and q["rejected_blocks"] == 0 and q["block_size"] == block
+    entropies = q["block_entropies"]
+    assert len(entropies) == -(-q["corrected_rows"] // block) and len(set(entropies)) > 1
+    levels = sorted(set(entropies))
+    assert len(levels) >= 3 and levels[-2] - levels[-3] > 1e-3, entropies
+    tau = (levels[-3] + levels[-2]) / 2  # rejects the blocks of the two highest entropies
+    rejected = [i for i, h in enumerate(entropies) if h > tau]
+    assert 0 < len(rejected) < len(entropies)
+
+    before = scrape_metrics(tiny_server)
+    meta = _workflow(tiny_server, "rows-run", "kvcmas", _question(53), agents, slot, tau=tau, **rows)[1]
+    q = meta["segments"][1]
+    assert q["mode"] == "corrected" and q["block_entropies"] == entropies, json.dumps(q)
+    rows_of = [r for i in rejected for r in range(i * block, min((i + 1) * block, q["corrected_rows"]))]
+    assert q["rejected_blocks"] == len(rejected) and q["recomputed_rows"] == len(rows_of)
+    assert q["injected_tokens"] == q["tokens"] - len(rows_of)
+    missing = sum(s["tokens"] - s.get("injected_tokens", 0) for s in meta["segments"] if s["mode"] == "corrected")
+    fallback = sum(s["tokens"] for s in meta["segments"] if s["mode"] == "dense_fallback")
+    assert meta["computed_tokens"] == private_tokens(meta) + missing + fallback
+    assert meta["recomputed_rows"] >= len(rows_of)
+    assert grew(before, scrape_metrics(tiny_server), "kvshare_recomputed_rows_total", method="kvcmas") == meta["recomputed_rows"]
+
+    _workflow(tiny_server, "rows-dense", "nonshared", _question(53), agents, slot)
+    err_probe, probe_kv = _rows_error(tiny_server, "rows-probe", "critic", slot, "rows-dense")
+    err_run, run_kv = _rows_error(tiny_server, "rows-run", "critic", slot, "rows-dense")
+    kept = torch.ones(len(err_run), dtype=torch.bool)
+    kept[rows_of] = False
+    # accepted rows: the correction itself, written unchanged; rejected rows: recomputed
+    assert torch.equal(run_kv["v"][:, kept], probe_kv["v"][:, kept])
+    assert float(err_run[rows_of].sum()) < 0.5 * float(err_probe[rows_of].sum())
+
+    # the same gate with the papers' fallback prefills the whole segment densely
+    dense = _workflow(tiny_server, "rows-dense-fallback", "kvcmas", _question(54), agents, slot, tau=0.0,
+                      fallback="dense")[1]
+    assert dense["segments"][1]["mode"] == "dense_fallback" and "block_entropies" not in dense["segments"][1]
+
+
+def test_bad_fallback_values_get_a_clear_error(tiny_server):
+    for extra, named in (({"fallback": "partial"}, "kvshare.fallback"), ({"fallback_block": 0}, "kvshare.fallback_block"),
+                         ({"fallback_block": 1.5}, "kvshare.fallback_block")):
+        r = tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2, **extra))
+        assert r.status_code == 400 and named in r.text, r.text
+    assert tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2)).status_code == 200

@@ -10,6 +10,7 @@ import torch
 from tests.integration.workflow_helpers import (
     QUESTION,
     SYSTEM,
+    grew,
     payload,
     private_tokens,
     run_workflow,
@@ -278,23 +279,19 @@ def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
     metas += [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-2", "kvcmas", agents=("solver", "critic"))]
     after = scrape_metrics(tiny_server)
 
-    def grew(name, **labels):
-        key = (name, tuple(sorted(labels.items())))
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
     for method in ("fullshared", "kvcmas"):
         mine = [m for m in metas if m["method"] == method]
-        assert grew("kvshare_requests_total", method=method) == len(mine)
+        assert grew(before, after, "kvshare_requests_total", method=method) == len(mine)
         for key in ("prompt_tokens", "reused_tokens", "computed_tokens", "injected_tokens"):
-            assert grew(f"kvshare_{key}_total", method=method) == sum(m[key] for m in mine), key
-    assert grew("kvshare_reused_tokens_total", method="fullshared") > 0
+            assert grew(before, after, f"kvshare_{key}_total", method=method) == sum(m[key] for m in mine), key
+    assert grew(before, after, "kvshare_reused_tokens_total", method="fullshared") > 0
     # the critic's kvcmas question segment was gated: one correction counted by its outcome and reason
     gated = [s for m in metas if m["method"] == "kvcmas" for s in m["segments"] if "gate" in s]
     assert gated
     for s in gated:
         outcome = "accepted" if s["gate"] == "accepted" else "rejected"
-        assert grew("kvshare_corrections_total", method="kvcmas", outcome=outcome, reason=s["gate"]) >= 1
-    assert grew("kvshare_correction_seconds_count", method="kvcmas") == len([m for m in metas if m["method"] == "kvcmas"])
+        assert grew(before, after, "kvshare_corrections_total", method="kvcmas", outcome=outcome, reason=s["gate"]) >= 1
+    assert grew(before, after, "kvshare_correction_seconds_count", method="kvcmas") == len([m for m in metas if m["method"] == "kvcmas"])
     assert after[("kvshare_anchor_bytes", (("method", "kvcmas"),))] == metas[-1]["anchor_bytes"]
 
 
@@ -315,9 +312,8 @@ def test_streamed_annotated_requests_are_counted(tiny_server):
     records = [e["meta_info"]["kvshare"] for e in events]
     assert all(r["agent"] == "critic" for r in records)
     after = scrape_metrics(tiny_server)
-    grew = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    assert grew[("kvshare_requests_total", (("method", "nonshared"),))] == 2
-    assert grew[("kvshare_prompt_tokens_total", (("method", "nonshared"),))] == (
+    assert grew(before, after, "kvshare_requests_total", method="nonshared") == 2
+    assert grew(before, after, "kvshare_prompt_tokens_total", method="nonshared") == (
         chat_kv["prompt_tokens"] + records[-1]["prompt_tokens"])
 
 

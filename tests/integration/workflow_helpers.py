@@ -78,3 +78,9 @@ def scrape_metrics(server) -> dict[tuple, float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) if fam.name.startswith("kvshare_")
             for s in fam.samples}
+
+
+def grew(before: dict, after: dict, name: str, **labels) -> float:
+    """How much a sample of two ``scrape_metrics`` results grew."""
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)

@@ -19,6 +19,8 @@ Model side, one AROUND hook on the Llama decoder layer, for extend batches that 
   attention mass the request's later tokens give each segment token there). The layer-0 KV of a
   token does not depend on its context, so the deviation is read at layer 1;
 - DroidSpeak's layer groups come from its offline profile (``--kvshare-droidspeak-profile``);
+  a correction method's partial fallback (``scheduler/correct.py``) fixes its rows too: the
+  rejected blocks run every layer, the corrected rows none;
 - a row whose recomputation starts at ``l > 0`` enters from the hidden state stored when the
   segment was last prefilled densely (``recompute.hidden_store.HiddenStore``, DroidSpeak's stored
   hidden state).
@@ -93,7 +95,7 @@ class BatchPlan:
         plan = cls([], [], starts, lens, prefix, sum(lens), ses.forward_of(fb), ses.runner, ses.hidden)
         for i, rid in enumerate(fb.rids):
             st = ses.requests.get(rid)
-            if st is None or not st.method.selector:
+            if st is None or not (st.jobs or st.method.selector):
                 continue
             lo_req, hi_req = prefix[i], prefix[i] + lens[i]
             for job in st.jobs.values():

@@ -10,6 +10,10 @@ Between two prefill chunks, for a shared segment with a source cache:
    to the ``Observer``, which factorises them beside the scheduler into a new anchor.
    A sampled fraction of accepted corrections (``--kvshare-shadow-fraction``) is computed
    densely too: the corrected cache's error against the exact one goes to the controller.
+   With ``--kvshare-fallback rows`` the gate decides per block of rows: a segment with some
+   rejected blocks enters the next extend as a recompute job (``recompute_jobs.rows_job``)
+   that keeps the corrected rows and recomputes the rejected ones in every layer, attending the
+   rows before them; its K/V are then observed like a dense fallback's, so the pools learn.
 
 On CUDA the write is the fused ``kernels.kv_correct`` (gather, re-align, add the delta, write);
 on the CPU the corrected cache is materialised and written with one rotation for all layers.
@@ -35,6 +39,7 @@ from sglang_kvshare.integration.cache.kv_io import (
     read_source,
     write_canonical,
 )
+from sglang_kvshare.integration.scheduler.recompute_jobs import rows_job, unsupported
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope import RopeSpec
@@ -103,11 +108,14 @@ def correct_segment(
         reference = gather_canonical(pool, ref, ref_rec.start, rope) if ref is not None else None
         if fused is None:
             fused = src.is_cuda
-        controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
+        block = ses.gate_block(st.spec)
+        controller = ses.tau_controller(st.method.corrector, st.spec.target_rho, block)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
         result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
-                                   materialize=False, tau=tau)
-        if result.entropy is not None:
+                                   materialize=False, tau=tau, block_size=block)
+        for b in result.blocks:
+            controller.observe_gate(b.entropy, b.hi - b.lo)
+        if result.entropy is not None and not result.blocks:
             controller.observe_gate(result.entropy, num_tokens)
         record = {
             "gate": result.reason,
@@ -118,10 +126,21 @@ def correct_segment(
         }
         if result.anchor_bytes_per_token is not None:
             record["anchor_bytes_per_token"] = round(result.anchor_bytes_per_token, 1)
+        if result.blocks:  # partial fallback: the gate per block of rows
+            record["block_size"] = result.blocks[0].hi - result.blocks[0].lo
+            record["block_entropies"] = [round(float(b.entropy), 4) for b in result.blocks]
+            record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        shadow = result.accepted and ses.args.shadow_fraction > 0 and ses.rng.random() < ses.args.shadow_fraction
-        if not result.accepted or shadow:
+        rejected = result.rejected_rows
+        if rejected:
+            unsupported_reason = unsupported(ses, scheduler)
+            if unsupported_reason is None:
+                return _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool, t0)
+            record["rows_fallback"] = unsupported_reason  # the segment is prefilled densely instead
+        shadow = (result.accepted and not rejected and ses.args.shadow_fraction > 0
+                  and ses.rng.random() < ses.args.shadow_fraction)
+        if not result.accepted or shadow or rejected:
             corrected = None
             if shadow:
                 record["shadow"] = True
@@ -145,6 +164,25 @@ def correct_segment(
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
 
+def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool, t0) -> None:
+    """Partial fallback: the corrected segment enters the next extend as a recompute job whose
+    rejected blocks run every layer, attending the corrected rows before them; once the request
+    is released its K/V (corrected and recomputed rows) are observed like a dense fallback's."""
+    kv = apply_delta(reference or source, source, result.delta, result.corrected_len)
+    head_dim = next(kv_layers(pool))[0].shape[-1]
+    job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows,
+                   rope, head_dim)
+    recomputed = sum(hi - lo for lo, hi in result.rejected_rows)
+    st.corrections[index]["recomputed_rows"] = recomputed
+    st.jobs[index] = job
+    st.modes[index] = "corrected"
+    st.injected[index] = num_tokens - recomputed
+    st.reused_in_extend += num_tokens - recomputed
+    st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)
+    st.correction_ms += 1000.0 * (time.perf_counter() - t0)
+    return None
+
+
 def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
     """||approx - exact||_F / ||exact||_F over keys and values together."""
     num = (approx.k.float() - exact.k.float()).square().sum() + (approx.v.float() - exact.v.float()).square().sum()
@@ -158,7 +196,7 @@ def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:
     if not st.pending:
         return
     corrector = ses.corrector(st.method.corrector)
-    controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
+    controller = ses.tau_controller(st.method.corrector, st.spec.target_rho, ses.gate_block(st.spec))
     pool = tree.token_to_kv_pool_allocator.get_kvcache()
     row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     for index, obs in st.pending.items():

@@ -12,9 +12,13 @@ from sglang.srt.models.llama import LlamaDecoderLayer
 
 from sglang_kvshare.integration.cache.kv_io import gather_aligned, read_source
 from sglang_kvshare.integration.scheduler.inject import inject_segment
+import torch
+
+from sglang_kvshare.correction import SegmentKV
 from sglang_kvshare.recompute import SelectionInputs, get_selector
+from sglang_kvshare.recompute.base import RecomputePlan
 from sglang_kvshare.recompute.job import RecomputeJob
-from sglang_kvshare.rope import RopeSpec
+from sglang_kvshare.rope import RopeSpec, shift_keys
 
 DEFAULT_RATIO = 0.1  # rho 0.9, the papers' default for agents that differ by system prompt
 DEFAULT_LORA_RATIO = 0.3  # PReCache Sec. 4.1: 30% recomputation for LoRA agents
@@ -29,17 +33,37 @@ def recompute_ratio(spec_ratio: Optional[float], server_ratio: float, lora: bool
     return DEFAULT_LORA_RATIO if lora else DEFAULT_RATIO
 
 
+def unsupported(ses, scheduler) -> Optional[str]:
+    """Why this scheduler's model cannot recompute a row subset of a segment (None: it can)."""
+    runner = scheduler.tp_worker.model_runner
+    if ses.runner is not runner:
+        return "attention_backend"  # row subsets are attended by kvshare_torch only
+    layers = getattr(getattr(runner.model, "model", None), "layers", None)
+    if layers is None or not all(type(l).forward is LlamaDecoderLayer.forward for l in layers):
+        return "model_not_supported"  # the hook runs the Llama family's decoder layer
+    return None
+
+
+def rows_job(start: int, kv: SegmentKV, rows, rope: RopeSpec, head_dim: int) -> RecomputeJob:
+    """A job that keeps canonical ``kv`` (a corrected segment at position ``start``) except the
+    row ranges ``rows``, recomputed in every layer (KVCMAS partial fallback)."""
+    L, n, HD = kv.k.shape
+    shape = (L, n, HD // head_dim, head_dim)
+    k = shift_keys(kv.k.reshape(-1, *shape[2:]), start, rope).reshape(shape)
+    mask = torch.zeros(L, n, dtype=torch.bool)
+    for lo, hi in rows:
+        mask[:, lo:hi] = True
+    plan = RecomputePlan("rows", float(mask[0].float().mean()), mask, ((0, L),))
+    return RecomputeJob(start, k, kv.v.reshape(shape), "rows", plan.ratio, plan=plan)
+
+
 def start_job(ses, scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio: float):
     """A job for the first ``n`` tokens of ``span`` from source ``rec``; (job, reason) with
     job None when the segment must be computed densely (reason says why)."""
-    runner = scheduler.tp_worker.model_runner
-    if ses.runner is not runner:
-        return None, "attention_backend"  # row subsets are attended by kvshare_torch only
-    model = runner.model
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or not all(type(l).forward is LlamaDecoderLayer.forward for l in layers):
-        return None, "model_not_supported"  # the hook runs the Llama family's decoder layer
-    num_layers = len(layers)
+    reason = unsupported(ses, scheduler)
+    if reason is not None:
+        return None, reason
+    num_layers = len(scheduler.tp_worker.model_runner.model.model.layers)
     hidden = None
     plan = None
     if st.method.selector == "droidspeak":

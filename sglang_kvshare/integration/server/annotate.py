@@ -80,6 +80,8 @@ class AnnotationMixin:
             recompute_ratio=ann.recompute_ratio,
             tau=ann.tau,
             target_rho=ann.target_rho,
+            fallback=ann.fallback,
+            fallback_block=ann.fallback_block,
         )
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:

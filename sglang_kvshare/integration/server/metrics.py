@@ -14,6 +14,7 @@ registry as SGLang's own.
 | `kvshare_injected_tokens_total` | method | tokens written from a source cache (injected or corrected) |
 | `kvshare_sourced_tokens_total` | method | tokens of shared segments that had a source (reuse = injected / sourced) |
 | `kvshare_recomputed_token_layers_total` | method | token-layers recomputed by selective recomputation |
+| `kvshare_recomputed_rows_total` | method | rows of corrected segments recomputed (`--kvshare-fallback rows`) |
 | `kvshare_corrections_total` | method, outcome, reason | gated segments: accepted, or rejected by reason |
 | `kvshare_correction_seconds` | method | histogram of a request's correction time |
 | `kvshare_anchor_bytes` | method | the method's anchor memory (at its last corrected request) |
@@ -32,6 +33,7 @@ TOKEN_COUNTERS = (
     ("computed_tokens", "Prompt tokens computed, reference prefills included"),
     ("injected_tokens", "Tokens written from a source agent's cache (injected or corrected)"),
     ("recomputed_token_layers", "Token-layers recomputed by selective recomputation"),
+    ("recomputed_rows", "Rows of corrected segments recomputed because their gate block was rejected"),
 )
 
 

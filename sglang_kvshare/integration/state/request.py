@@ -48,7 +48,9 @@ class ReqShareState:
     anchor_bytes: Optional[int] = None  # bytes of the method's correction state, last seen
     correction_ms: float = 0.0  # scheduler time spent gathering, gating, correcting, writing
     kv_bytes_per_token: Optional[int] = None  # of the KV pool, set by a correction
-    computed_tokens: int = 0
+    computed_tokens: int = 0  # tokens of the request's extends (what SGLang ran)
+    # tokens of those extends whose KV was reused: corrected rows of a partial fallback's job
+    reused_in_extend: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
 
     def source(self, registry: SourceRegistry, slot: str) -> Optional[SourceRecord]:
@@ -113,14 +115,15 @@ class ReqShareState:
                     )
                 entry.update(self.recompute[i])
             segs.append(entry)
+        computed = max(self.computed_tokens - self.reused_in_extend, 0)
         self.meta.update(
             method=self.method.name,
             workflow=self.spec.workflow,
             agent=self.spec.agent,
             prompt_tokens=self.prompt_len,
-            computed_tokens=self.computed_tokens + self.spec.reference_tokens,
+            computed_tokens=computed + self.spec.reference_tokens,
             reference_tokens=self.spec.reference_tokens,
-            reused_tokens=max(self.prompt_len - self.computed_tokens, 0),
+            reused_tokens=max(self.prompt_len - computed, 0),
             injected_tokens=injected_total,
             corrections_accepted=sum(m == "corrected" for m in self.modes.values()),
             corrections_rejected=sum(m == "dense_fallback" for m in self.modes.values()),
@@ -135,6 +138,7 @@ class ReqShareState:
             )
         if self.method.corrector:
             self.meta["correction_ms"] = round(self.correction_ms, 3)
+            self.meta["recomputed_rows"] = sum(c.get("recomputed_rows", 0) for c in self.corrections.values())
             if self.kv_bytes_per_token is not None:
                 self.meta["kv_bytes_per_token"] = self.kv_bytes_per_token
         if self.anchor_bytes is not None:
