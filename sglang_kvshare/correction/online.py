@@ -42,7 +42,6 @@ import torch
 from sglang_kvshare.correction.base import (
     CorrectionResult,
     Corrector,
-    GateBlock,
     SegmentKV,
     apply_delta,
     check_pair,
@@ -242,19 +241,6 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
         kv = apply_delta(base, source, delta, k) if materialize else None
         return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta,
                                 anchor_bytes_per_token=per_token, blocks=blocks)
-
-    def _gate_blocks(
-        self, dist_v: torch.Tensor, dim: int, block_size: int, T: float, tau: float
-    ) -> Tuple[GateBlock, ...]:
-        """Eq. 9-11 on each block of ``block_size`` gated rows (the last one shorter): the block's
-        distances to the members over all layers, its entropy and decision."""
-        sq_rows = (dist_v.square() * dim).sum(1)  # [N, k]: eq. 9 squared, per row
-        blocks = []
-        for lo in range(0, sq_rows.shape[1], block_size):
-            hi = min(lo + block_size, sq_rows.shape[1])
-            _, h = gate(self._gate_scaled(sq_rows[:, lo:hi].sum(1).sqrt()), T)
-            blocks.append(GateBlock(lo, hi, h, h <= tau))
-        return tuple(blocks)
 
     def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:
         base = self._base(source, reference)

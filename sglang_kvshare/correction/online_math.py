@@ -13,8 +13,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sglang_kvshare.correction.base import KVDelta, SegmentKV, apply_delta
-from sglang_kvshare.correction.gate import token_weights
+from sglang_kvshare.correction.base import GateBlock, KVDelta, SegmentKV, apply_delta
+from sglang_kvshare.correction.gate import gate, token_weights
 from sglang_kvshare.correction.pool import Anchor
 from sglang_kvshare.lowrank import FactorBatch
 
@@ -53,6 +53,19 @@ class AnchorPoolMath:
 
             return relative_distances(d)
         return d
+
+    def _gate_blocks(
+        self, dist_v: torch.Tensor, dim: int, block_size: int, T: float, tau: float
+    ) -> Tuple[GateBlock, ...]:
+        """Eq. 9-11 on each block of ``block_size`` gated rows (the last one shorter): the block's
+        distances to the members over all layers, its entropy and decision."""
+        sq_rows = (dist_v.square() * dim).sum(1)  # [N, k]: eq. 9 squared, per row
+        blocks = []
+        for lo in range(0, sq_rows.shape[1], block_size):
+            hi = min(lo + block_size, sq_rows.shape[1])
+            _, h = gate(self._gate_scaled(sq_rows[:, lo:hi].sum(1).sqrt()), T)
+            blocks.append(GateBlock(lo, hi, h, h <= tau))
+        return tuple(blocks)
 
     def gate_distances(self, base: SegmentKV, members: List[Anchor], k: int) -> torch.Tensor:
         """Eq. 9: [N] float32 Frobenius distance over all layers of the first k value rows."""
