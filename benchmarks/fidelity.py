@@ -94,7 +94,7 @@ from benchmarks.fidelity_metrics import (
     reuse_counts,
     safe_name,
 )
-from sglang_kvshare.methods import get_method
+from sglang_kvshare.methods import get_method, method_variant
 from benchmarks.datasets import load_tasks
 from benchmarks.scoring import score_output
 from sglang_kvshare.workflows import get_roles, http_sender, lora_conversation_roles, run_task
@@ -151,7 +151,7 @@ class ShadowedSender:
             turn["shadow_latency_s"] = time.perf_counter() - t0
             dense_ids = sorted(first_token_top(turn["shadow"]))
         real = copy.deepcopy(payload)
-        if self.tau is not None and self.method in TAU_METHODS:
+        if self.tau is not None and method_variant(self.method)[0] in TAU_METHODS:
             real["kvshare"]["tau"] = self.tau
         if self.recompute_ratio is not None:
             real["kvshare"]["recompute_ratio"] = self.recompute_ratio
@@ -578,7 +578,7 @@ def warm_up(args, backend: Backend, tasks, roles, plan: Sequence[tuple], tag: st
     unshadowed and unrecorded, so the measured tasks meet warm anchor pools and a settled online
     tau, as a long-running server would; returns the workflows run."""
     send = http_sender(backend.url, timeout=args.request_timeout)
-    todo = [p for p in plan if get_method(p[1]).corrector is not None]
+    todo = [p for p in plan if get_method(method_variant(p[1])[0]).corrector is not None]
     bar = tqdm(total=len(tasks) * len(todo), desc="warm-up", unit="wf", dynamic_ncols=True)
     for task in tasks:
         for label, method, tau, *ratio in todo:
@@ -686,7 +686,11 @@ def parse_args(argv=None):
         args.methods = ",".join(LORA_METHODS if lora else MAIN_METHODS)
     methods = [m for m in args.methods.split(",") if m]
     for m in methods + args.sweep_methods.split(","):
-        if m not in KNOWN_METHODS:
+        try:
+            base = method_variant(m)[0] if m else m
+        except KeyError as e:
+            ap.error(e.args[0])
+        if m and base not in KNOWN_METHODS:
             ap.error(f"unknown method {m!r}")
     args.method_list = methods
     args.taus = [float(t) for t in args.tau_sweep.split(",") if t]
@@ -764,10 +768,10 @@ def main(argv=None) -> int:
     print(f"fidelity: {len(tasks)} {args.dataset} tasks, results -> {out}, workdir {workdir}", flush=True)
     if not args.sweep_only and args.method_list:
         # labels of the main run are the plain method names; its tau (None: the server's online tau) is in the config
-        plan = [(m, m, args.tau if m in TAU_METHODS else None) for m in args.method_list]
+        plan = [(m, m, args.tau if method_variant(m)[0] in TAU_METHODS else None) for m in args.method_list]
         groups = [("main", False, plan)]
         if lora:  # the LR cache methods (and their nonshared reference) on an LR-cache server
-            lr = [p for p in plan if p[1] == "nonshared" or get_method(p[1]).lr_sharing]
+            lr = [p for p in plan if p[1] == "nonshared" or get_method(method_variant(p[1])[0]).lr_sharing]
             groups = [("main-lr", True, lr), ("main-full", False, [p for p in plan if p not in lr])]
         for name, lr_cache, group in groups:
             if not group:

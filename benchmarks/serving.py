@@ -633,10 +633,10 @@ class Runner:
 
     def warm_up(self, context: int, method: str, agents: int, rounds: int) -> None:
         """``--warmup-workflows`` single-stream workflows, not recorded (correction methods)."""
-        from sglang_kvshare.methods import get_method
+        from sglang_kvshare.methods import get_method, method_variant
 
         n = self.args.warmup_workflows
-        if n <= 0 or (context, method) in self._warm or get_method(method).corrector is None:
+        if n <= 0 or (context, method) in self._warm or get_method(method_variant(method)[0]).corrector is None:
             return
         self._warm.add((context, method))
         self.bar.set_description(f"warm-up ctx {context} {method} ({n} workflows)")
@@ -1155,14 +1155,14 @@ def main(argv=None) -> Dict[str, Any]:
 
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.methods import get_method
+    from sglang_kvshare.methods import get_method, method_variant
 
     per_point = lambda a, r, w: turns_of(a, r) * w * len(args.methods)  # noqa: E731
     total = sum(per_point(args.base_agents, args.base_rounds, args.workflows) for _ in args.contexts for _ in args.rates)
     total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
     total += per_point(args.base_agents, args.base_rounds, args.workflows) * len(args.contexts) * bool(args.capacity)
     total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
-    correcting = [m for m in args.methods if get_method(m).corrector is not None]
+    correcting = [m for m in args.methods if get_method(method_variant(m)[0]).corrector is not None]
     total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
     total += args.pre_serve * turns_of(3, 1)
     parts, servers, adapters = [], [], None

@@ -145,3 +145,18 @@ def get_method(name: str) -> MethodSpec:
         raise KeyError(
             f"unknown kvshare method {name!r}; known methods: {', '.join(METHODS)}"
         ) from None
+
+
+def method_variant(label: str) -> tuple[str, dict]:
+    """A benchmark label ``METHOD[+dense|+rows[N]]`` -> (method, annotation keys): the fallback
+    of a correction method (``+rows64``: ``fallback: rows``, ``fallback_block: 64``; ``+rows``:
+    the server's block size). Plain method names map to themselves."""
+    name, _, variant = label.partition("+")
+    get_method(name)
+    if not variant:
+        return name, {}
+    if variant == "dense":
+        return name, {"fallback": "dense"}
+    if variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
+        return name, {"fallback": "rows", **({"fallback_block": int(variant[4:])} if variant[4:] else {})}
+    raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows or rowsN)")

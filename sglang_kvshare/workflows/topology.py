@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence, Tuple
 
+from sglang_kvshare.methods import method_variant
 from sglang_kvshare.segments.wire import output_slot
 from sglang_kvshare.workflows.roles import CHATML, ChatFormat, Role
 
@@ -130,7 +131,9 @@ def build_payload(
     max_new_tokens: int,
     temperature: float = 0.0,
 ) -> Dict[str, Any]:
-    """The POST /generate body of one agent turn; ``lora_path`` only for adapter roles."""
+    """The POST /generate body of one agent turn; ``lora_path`` only for adapter roles.
+    ``method`` may name a variant (``methods.method_variant``: ``kvcmas+rows64``)."""
+    method, variant = method_variant(method)
     payload: Dict[str, Any] = {
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
         "kvshare": {
@@ -138,6 +141,7 @@ def build_payload(
             "agent": role.name,
             "method": method,
             "segments": segments,
+            **variant,
         },
     }
     if role.lora_path is not None:

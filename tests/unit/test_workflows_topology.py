@@ -13,7 +13,7 @@ import pytest
 from benchmarks.scoring import score_output
 from sglang_kvshare.workflows.roles import PLAIN, get_roles, lora_conversation_roles, with_lora_adapters
 from sglang_kvshare.workflows.runner import run_task, run_workflow
-from sglang_kvshare.workflows.topology import build_schedule, build_segments
+from sglang_kvshare.workflows.topology import build_payload, build_schedule, build_segments
 from sglang_kvshare.workflows.transport import ServerError, http_sender
 from sglang_kvshare.workflows.task import Task
 
@@ -262,3 +262,18 @@ def test_lora_conversation_is_one_growing_prefix():
 def test_without_score_fn_the_record_is_unscored():
     _, record = _run("fan_in", score_fn=None)
     assert record.score is None and record.final_output == "B"
+
+
+def test_a_method_variant_label_becomes_annotation_keys():
+    role = get_roles("mmlu").final_role
+    segs = [{"text": "hi"}]
+    assert build_payload(role, segs, "wf", "kvcmas+rows64", 4)["kvshare"] | {"segments": None} == {
+        "workflow": "wf", "agent": role.name, "method": "kvcmas", "segments": None,
+        "fallback": "rows", "fallback_block": 64}
+    assert build_payload(role, segs, "wf", "kvcmas+rows", 4)["kvshare"]["fallback"] == "rows"
+    assert "fallback_block" not in build_payload(role, segs, "wf", "kvcmas+rows", 4)["kvshare"]
+    assert build_payload(role, segs, "wf", "kvcmas+dense", 4)["kvshare"]["fallback"] == "dense"
+    assert "fallback" not in build_payload(role, segs, "wf", "kvcmas", 4)["kvshare"]
+    for bad in ("kvcmas+rowsx", "kvcmas+partial", "nosuch+rows"):
+        with pytest.raises(KeyError):
+            build_payload(role, segs, "wf", bad, 4)
