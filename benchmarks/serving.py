@@ -453,6 +453,7 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             injected_tokens=kv.get("injected_tokens", 0),
             shared_tokens=shared_tok, has_kvshare=bool(kv),
             accepted=kv.get("corrections_accepted", 0), rejected=kv.get("corrections_rejected", 0),
+            recomputed_rows=kv.get("recomputed_rows", 0),
             correction_ms=kv.get("correction_ms"),
             gates=[s["gate"] for s in segs if "gate" in s],
             anchor_bytes_per_token=[(s["anchor_bytes_per_token"], s["tokens"]) for s in segs
@@ -539,6 +540,10 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "kvshare_missing": sum(1 for r in ok if not r["has_kvshare"]),
         "ttft_s": pct([r["ttft_s"] for r in ok]),
         "ttft_later_s": pct([r["ttft_s"] for r in later]),
+        # later turns with a fallback: a rejected segment (dense) or recomputed rows (partial)
+        "ttft_fallback_s": pct([r["ttft_s"] for r in later if r.get("rejected") or r.get("recomputed_rows")]),
+        "fallback_turns": sum(1 for r in later if r.get("rejected") or r.get("recomputed_rows")),
+        "recomputed_rows": sum(r.get("recomputed_rows", 0) for r in ok),
         "e2e_s": pct([r["e2e_s"] for r in ok]),
         "workflow_latency_s": pct(wf_lat),
         "makespan_s": makespan,
@@ -560,7 +565,7 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "anchor_bytes_per_token": sum(b * n for b, n in bpt) / sum(n for _, n in bpt) if bpt else None,
         "kv_bytes_per_token": kv_bpt[0] if kv_bpt else None,
         "requests_log": [{k: r.get(k) for k in ("turn", "agent", "ttft_s", "reused_tokens", "shared_tokens",
-                                                 "accepted", "rejected", "end")} for r in ok],
+                                                 "accepted", "rejected", "recomputed_rows", "end")} for r in ok],
         "rss_baseline_mb": mem.baseline, "peak_rss_mb": mem.peak_rss,
         "peak_rss_delta_mb": (mem.peak_rss - mem.baseline) if mem.baseline is not None else None,
         "peak_gpu_mb": mem.peak_gpu,
@@ -728,6 +733,9 @@ def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[flo
             res = runner.run(spec, f"cap{args.capacity}", "capacity")
             rows[method] = {"wf_per_s": res["steady_wf_per_s"], "wf_per_s_makespan": res["achieved_wf_per_s"],
                             "ttft_later_p50_s": get_path(res, "ttft_later_s.p50"), "rho_later": res["rho_later"],
+                            "ttft_later_p90_s": get_path(res, "ttft_later_s.p90"),
+                            "ttft_fallback_p90_s": get_path(res, "ttft_fallback_s.p90"),
+                            "fallback_turns": res["fallback_turns"], "recomputed_rows": res["recomputed_rows"],
                             "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
                             "errors": res["errors"]}
     return capacity_ratios(out)
@@ -788,8 +796,9 @@ def markdown(results: Dict[str, Any]) -> str:
     lines += ["", "later agents (turns after the first): TTFT p50 as a ratio to nonshared and to fullshared; "
               "rho_later = reused / shared tokens of those turns; corrections accepted / gated; correction "
               "ms p50; anchor bytes per token (one anchor, weighted by the tokens it served) vs KV bytes per token:", "",
-              "| ctx | rate | method | later TTFT p50 s | vs nonshared | vs fullshared | rho_later | accepted | "
-              "corr ms p50 | anchor B/tok | KV B/tok |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| ctx | rate | method | later TTFT p50 s | vs nonshared | vs fullshared | later p90 s | fallback turns "
+              "| their p90 s | rho_later | accepted | corr ms p50 | anchor B/tok | KV B/tok |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in results["qps_sweep"]:
         base = {m: get_path(r, "ttft_later_s.p50") for m, r in p["methods"].items()}
         for m, r in p["methods"].items():
@@ -798,7 +807,8 @@ def markdown(results: Dict[str, Any]) -> str:
             gated = r.get("corrections_accepted", 0) + r.get("corrections_rejected", 0)
             lines.append(
                 f"| {p['context']} | {p['rate']:g} | {m} | {_fmt(t)} | {_fmt(vs('nonshared'), '.2f')} | "
-                f"{_fmt(vs('fullshared'), '.2f')} | {_fmt(r.get('rho_later'), '.2f')} | "
+                f"{_fmt(vs('fullshared'), '.2f')} | {_fmt(get_path(r, 'ttft_later_s.p90'))} | "
+                f"{r.get('fallback_turns', '')} | {_fmt(get_path(r, 'ttft_fallback_s.p90'))} | {_fmt(r.get('rho_later'), '.2f')} | "
                 f"{r.get('corrections_accepted', 0)}/{gated} | {_fmt(get_path(r, 'correction_ms.p50'), '.0f')} | "
                 f"{_fmt(r.get('anchor_bytes_per_token'), '.0f')} | {_fmt(r.get('kv_bytes_per_token'), '.0f')} |"
             )
@@ -814,13 +824,18 @@ def markdown(results: Dict[str, Any]) -> str:
     if cap:
         lines += ["", f"capacity (closed loop, {results['config'].get('capacity')} workflows in flight; completions "
                   "per second between the first and the last = the sustainable arrival rate):", "",
-                  "| ctx | method | wf/s | vs nonshared | later TTFT p50 s | wf latency p50 s | rho_later |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
+                  "| ctx | method | wf/s | vs nonshared | vs fullshared | later TTFT p50 s | p90 s | fallback turns "
+                  "| their p90 s | recomputed rows | wf latency p50 s | rho_later |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for ctx, rows in cap.items():
+            full = (rows.get("fullshared") or {}).get("wf_per_s")
             for m, row in rows.items():
+                vs_full = row["wf_per_s"] / full if full and row["wf_per_s"] else None
                 lines.append(f"| {ctx} | {m} | {_fmt(row['wf_per_s'], '.4f')} | {_fmt(row['vs_nonshared'], '.2f')} | "
-                             f"{_fmt(row['ttft_later_p50_s'], '.2f')} | {_fmt(row['workflow_latency_p50_s'], '.1f')} | "
-                             f"{_fmt(row['rho_later'], '.2f')} |")
+                             f"{_fmt(vs_full, '.2f')} | {_fmt(row['ttft_later_p50_s'], '.2f')} | "
+                             f"{_fmt(row.get('ttft_later_p90_s'), '.2f')} | {row.get('fallback_turns', '')} | "
+                             f"{_fmt(row.get('ttft_fallback_p90_s'), '.2f')} | {row.get('recomputed_rows', '')} | "
+                             f"{_fmt(row['workflow_latency_p50_s'], '.1f')} | {_fmt(row['rho_later'], '.2f')} |")
     for kind, pts in results.get("scaling", {}).items():
         if not pts:
             continue

@@ -166,8 +166,10 @@ def correct_segment(
 
 def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool, t0) -> None:
     """Partial fallback: the corrected segment enters the next extend as a recompute job whose
-    rejected blocks run every layer, attending the corrected rows before them; once the request
-    is released its K/V (corrected and recomputed rows) are observed like a dense fallback's."""
+    rejected blocks run every layer, attending the corrected rows before them. Once the request
+    is released its K/V (corrected and recomputed rows) are observed like a dense fallback's,
+    with probability the recomputed fraction: the observer (a factorisation of the whole
+    segment) then runs about as often per recomputed row as under the dense fallback."""
     kv = apply_delta(reference or source, source, result.delta, result.corrected_len)
     head_dim = next(kv_layers(pool))[0].shape[-1]
     job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows,
@@ -178,7 +180,10 @@ def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_to
     st.modes[index] = "corrected"
     st.injected[index] = num_tokens - recomputed
     st.reused_in_extend += num_tokens - recomputed
-    st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)
+    observed = ses.rng.random() < recomputed / num_tokens
+    st.corrections[index]["observed"] = observed
+    if observed:
+        st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)
     st.correction_ms += 1000.0 * (time.perf_counter() - t0)
     return None
 
