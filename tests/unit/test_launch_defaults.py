@@ -89,3 +89,18 @@ def test_auto_sharing_flags():
         KVShareArgs(auto="prelr_shared")  # an LR-cache method needs --kvshare-lr-cache
     with pytest.raises(ValueError, match="--kvshare-auto-min-tokens"):
         KVShareArgs(auto_min_tokens=0)
+
+
+def test_fallback_flags():
+    import argparse
+
+    from sglang_kvshare.config import KVShareArgs
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    args = KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-fallback", "rows", "--kvshare-fallback-block", "64"]))
+    assert (args.fallback, args.fallback_block) == ("rows", 64)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvshare-fallback", "partial"])
+    with pytest.raises(ValueError, match="--kvshare-fallback-block must be >= 1"):
+        KVShareArgs(fallback_block=0)
