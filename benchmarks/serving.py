@@ -736,6 +736,7 @@ def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[flo
                             "ttft_later_p90_s": get_path(res, "ttft_later_s.p90"),
                             "ttft_fallback_p90_s": get_path(res, "ttft_fallback_s.p90"),
                             "fallback_turns": res["fallback_turns"], "recomputed_rows": res["recomputed_rows"],
+                            "correction_ms_p50": get_path(res, "correction_ms.p50"),
                             "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
                             "errors": res["errors"]}
     return capacity_ratios(out)
