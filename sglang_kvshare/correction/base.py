@@ -157,9 +157,10 @@ class Corrector(ABC):
         reference: the context-free reference cache; required iff ``needs_reference``.
         materialize: also build ``result.kv`` (else only ``result.delta``).
         tau: the gate threshold for this call (None: the method's configured one).
-        block_size: gate blocks of this many rows separately (partial fallback, beyond the
-            papers): the result is accepted when any block is, and names the rejected rows in
-            ``blocks``; None: one decision for the segment. A method without a gate ignores it.
+        block_size: when the gate rejects the segment, gate blocks of this many rows separately
+            (partial fallback, beyond the papers): the result is accepted when any block is, and
+            names the rejected rows in ``blocks``; None: one decision for the segment. A method
+            without a gate ignores it.
         Does not mutate the inputs; may update usage counters of the method's state.
         """
 

@@ -12,9 +12,10 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
 4. Gate (eq. 9-11): d_v = sqrt(sum_l ||V[l, :k] - V~_v[l, :k]||_F^2) on VALUE states,
    g = softmax(-d / T), accept iff normalised entropy (log2) <= tau. ``gate_scale`` "relative"
    divides every d_v by the smallest one first (see ``gate.relative_distances``).
-   Partial fallback (``correct(..., block_size=B)``, beyond the paper): the same gate on each
-   block of B rows of the k gated ones (d_v over the block's rows, all layers); the correction
-   is accepted when any block is, and the rejected blocks' rows are the caller's to recompute.
+   Partial fallback (``correct(..., block_size=B)``, beyond the paper): a segment the gate
+   rejects is gated again per block of B rows of the k gated ones (d_v over the block's rows,
+   all layers, the same tau); it is accepted when any block is, and the rejected blocks' rows
+   are the caller's to recompute. An accepted segment accepts all its blocks.
 5. Correction (eq. 8): per layer and token t, w_v[t] = softmax_v(-rms_D(X[t] - X~_v[t]))
    separately for keys and values (the paper: the mean absolute distance; the root mean square
    is computed in the factors' space without reconstructing any anchor, see
@@ -230,11 +231,9 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
             T = self.config.gate_temperature or self.config.temperature
             _, entropy = gate(self._gate_scaled(sq.sqrt()), T)
             if block_size is not None:
-                blocks = self._gate_blocks(dist_v, base.dim, block_size, T, tau)
-                if not any(b.accepted for b in blocks):
-                    return CorrectionResult.reject("entropy", entropy, len(members), per_token, blocks)
-            elif entropy > tau:
-                return CorrectionResult.reject("entropy", entropy, len(members), per_token)
+                blocks = self._gate_blocks(dist_v, base.dim, block_size, T, tau, entropy <= tau)
+            if entropy > tau and not any(b.accepted for b in blocks):
+                return CorrectionResult.reject("entropy", entropy, len(members), per_token, blocks)
         delta = self._delta(base, members, target_agent, k, dist_v, edge)
         for a in members:
             a.use_count += 1

@@ -55,16 +55,17 @@ class AnchorPoolMath:
         return d
 
     def _gate_blocks(
-        self, dist_v: torch.Tensor, dim: int, block_size: int, T: float, tau: float
+        self, dist_v: torch.Tensor, dim: int, block_size: int, T: float, tau: float, segment_accepted: bool
     ) -> Tuple[GateBlock, ...]:
         """Eq. 9-11 on each block of ``block_size`` gated rows (the last one shorter): the block's
-        distances to the members over all layers, its entropy and decision."""
+        distances to the members over all layers, its entropy and decision (every block is
+        accepted when the segment is)."""
         sq_rows = (dist_v.square() * dim).sum(1)  # [N, k]: eq. 9 squared, per row
         blocks = []
         for lo in range(0, sq_rows.shape[1], block_size):
             hi = min(lo + block_size, sq_rows.shape[1])
             _, h = gate(self._gate_scaled(sq_rows[:, lo:hi].sum(1).sqrt()), T)
-            blocks.append(GateBlock(lo, hi, h, h <= tau))
+            blocks.append(GateBlock(lo, hi, h, segment_accepted or h <= tau))
         return tuple(blocks)
 
     def gate_distances(self, base: SegmentKV, members: List[Anchor], k: int) -> torch.Tensor:

@@ -207,46 +207,47 @@ def test_variable_lengths_correct_covered_prefix_only():
     assert short.accepted and short.corrected_len == 4 and short.num_anchors == 3
 
 
-# ---- partial fallback: the gate per block of rows -----------------------------------------
-def _two_block_pool(tau=None):
-    """Rows 0-3: the first anchor matches the source exactly, the second is far (a clear match);
-    rows 4-7: the two anchors are equidistant (an ambiguous match, entropy 1)."""
-    c = create_corrector("kvcmas") if tau is None else create_corrector("kvcmas", tau=tau)
+# ---- partial fallback: a rejected segment gated again per block of rows ------------------
+def _two_block_pool():
+    """Rows 0-3: the first anchor matches the source exactly, the second is a little off (a
+    clear match: block entropy 0); rows 4-7: the two anchors are equidistant (ambiguous: entropy
+    1). Over the whole segment the two anchors are close, so its entropy is in between."""
+    c = create_corrector("kvcmas")
     src = _kv(8, 0)
     e = torch.randn(N_LAYERS, 4, D, generator=_gen(9))
     near = torch.cat([torch.zeros(N_LAYERS, 4, D), e], 1)
-    far = torch.cat([torch.full((N_LAYERS, 4, D), 5.0), -e], 1)
+    off = torch.cat([torch.full((N_LAYERS, 4, D), 0.3), -e], 1)
     c.observe("q", "a0", "a1", SegmentKV(src.k, src.v + near), _kv(8, 1))
-    c.observe("q", "a0", "a1", SegmentKV(src.k, src.v + far), _kv(8, 2))
+    c.observe("q", "a0", "a1", SegmentKV(src.k, src.v + off), _kv(8, 2))
     return c, src
 
 
-def test_block_gate_rejects_only_the_ambiguous_block():
+def test_a_rejected_segment_keeps_its_clear_blocks():
     c, src = _two_block_pool()
-    whole = c.correct("q", "a0", "a1", src)
-    assert whole.accepted and whole.blocks == () and whole.rejected_rows == ()
-    r = c.correct("q", "a0", "a1", src, block_size=4)
-    assert r.accepted and r.rejected_rows == ((4, 8),)
+    whole = c.correct("q", "a0", "a1", src, tau=1.0)
+    assert whole.accepted and 0.05 < whole.entropy < 0.95 and whole.blocks == ()
+    tau = whole.entropy / 2
+    assert c.correct("q", "a0", "a1", src, tau=tau).reason == "entropy"  # the paper's gate
+    r = c.correct("q", "a0", "a1", src, tau=tau, block_size=4)
+    assert r.accepted and r.rejected_rows == ((4, 8),) and r.entropy == pytest.approx(whole.entropy)
     assert [(b.lo, b.hi, b.accepted) for b in r.blocks] == [(0, 4, True), (4, 8, False)]
     assert r.blocks[0].entropy < 1e-3 and r.blocks[1].entropy == pytest.approx(1.0, abs=1e-6)
-    assert r.entropy == pytest.approx(whole.entropy)
-    # the correction itself does not depend on the blocks
+    # the correction itself does not depend on the gate
     torch.testing.assert_close(r.kv.k, whole.kv.k, atol=0, rtol=0)
     torch.testing.assert_close(r.kv.v, whole.kv.v, atol=0, rtol=0)
     assert c.stats()["num_partial"] == 1
-    # one block covering the segment is the segment's gate; a last block may be shorter
-    one = c.correct("q", "a0", "a1", src, block_size=8)
-    assert one.rejected_rows == () and len(one.blocks) == 1
-    assert [(b.lo, b.hi) for b in c.correct("q", "a0", "a1", src, block_size=3).blocks] == [(0, 3), (3, 6), (6, 8)]
+    # an accepted segment accepts every block; a last block may be shorter
+    ok = c.correct("q", "a0", "a1", src, tau=1.0, block_size=3)
+    assert ok.rejected_rows == () and all(b.accepted for b in ok.blocks)
+    assert [(b.lo, b.hi) for b in ok.blocks] == [(0, 3), (3, 6), (6, 8)]
 
 
-def test_block_gate_rejecting_every_block_is_a_rejection():
-    c, src = _two_block_pool(tau=-1.0)
-    r = c.correct("q", "a0", "a1", src, block_size=4)
+def test_a_segment_whose_blocks_are_all_rejected_is_rejected():
+    c, src = _two_block_pool()
+    r = c.correct("q", "a0", "a1", src, tau=-1.0, block_size=4)
     assert not r.accepted and r.reason == "entropy" and r.kv is None
     assert len(r.blocks) == 2 and not any(b.accepted for b in r.blocks) and r.rejected_rows == ()
     with pytest.raises(ValueError, match="block_size"):
         c.correct("q", "a0", "a1", src, block_size=0)
-    few = create_corrector("kvcmas")
-    r = few.correct("q", "a0", "a1", src, block_size=4)
+    r = create_corrector("kvcmas").correct("q", "a0", "a1", src, block_size=4)
     assert r.reason == "few_anchors" and r.blocks == ()

@@ -10,8 +10,8 @@ Between two prefill chunks, for a shared segment with a source cache:
    to the ``Observer``, which factorises them beside the scheduler into a new anchor.
    A sampled fraction of accepted corrections (``--kvshare-shadow-fraction``) is computed
    densely too: the corrected cache's error against the exact one goes to the controller.
-   With ``--kvshare-fallback rows`` the gate decides per block of rows: a segment with some
-   rejected blocks enters the next extend as a recompute job (``recompute_jobs.rows_job``)
+   With ``--kvshare-fallback rows`` a rejected segment is gated again per block of rows: one
+   with some accepted blocks enters the next extend as a recompute job (``recompute_jobs.rows_job``)
    that keeps the corrected rows and recomputes the rejected ones in every layer, attending the
    rows before them; its K/V are then observed like a dense fallback's, so the pools learn.
 
@@ -108,14 +108,11 @@ def correct_segment(
         reference = gather_canonical(pool, ref, ref_rec.start, rope) if ref is not None else None
         if fused is None:
             fused = src.is_cuda
-        block = ses.gate_block(st.spec)
-        controller = ses.tau_controller(st.method.corrector, st.spec.target_rho, block)
+        controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
         result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
-                                   materialize=False, tau=tau, block_size=block)
-        for b in result.blocks:
-            controller.observe_gate(b.entropy, b.hi - b.lo)
-        if result.entropy is not None and not result.blocks:
+                                   materialize=False, tau=tau, block_size=ses.gate_block(st.spec))
+        if result.entropy is not None:
             controller.observe_gate(result.entropy, num_tokens)
         record = {
             "gate": result.reason,
@@ -135,8 +132,10 @@ def correct_segment(
         rejected = result.rejected_rows
         if rejected:
             unsupported_reason = unsupported(ses, scheduler)
-            if unsupported_reason is None:
-                return _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool, t0)
+            if unsupported_reason is None:  # the segment enters the next extend as a job
+                _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool)
+                st.correction_ms += 1000.0 * (time.perf_counter() - t0)
+                return None
             record["rows_fallback"] = unsupported_reason  # the segment is prefilled densely instead
         shadow = (result.accepted and not rejected and ses.args.shadow_fraction > 0
                   and ses.rng.random() < ses.args.shadow_fraction)
@@ -164,7 +163,7 @@ def correct_segment(
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
 
-def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool, t0) -> None:
+def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool) -> None:
     """Partial fallback: the corrected segment enters the next extend as a recompute job whose
     rejected blocks run every layer, attending the corrected rows before them. Once the request
     is released its K/V (corrected and recomputed rows) are observed like a dense fallback's,
@@ -184,8 +183,6 @@ def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_to
     st.corrections[index]["observed"] = observed
     if observed:
         st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)
-    st.correction_ms += 1000.0 * (time.perf_counter() - t0)
-    return None
 
 
 def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
@@ -201,7 +198,7 @@ def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:
     if not st.pending:
         return
     corrector = ses.corrector(st.method.corrector)
-    controller = ses.tau_controller(st.method.corrector, st.spec.target_rho, ses.gate_block(st.spec))
+    controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
     pool = tree.token_to_kv_pool_allocator.get_kvcache()
     row = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
     for index, obs in st.pending.items():

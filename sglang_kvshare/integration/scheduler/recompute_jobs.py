@@ -1,20 +1,20 @@
 """Selective recomputation, scheduler side: between two prefill chunks a shared segment with a
 source cache becomes a :class:`~sglang_kvshare.recompute.job.RecomputeJob` holding the source's
 K/V, keys re-aligned to the request's positions (``model/recompute_layer.py`` runs it). Ratio 0
-is an injection (= fullshared), ratio 1 a dense prefill of the segment (= nonshared).
+is an injection (= fullshared), ratio 1 a dense prefill of the segment (= nonshared). A
+correction method's partial fallback is a job too (``rows_job``): corrected K/V, fixed rows.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from sglang.srt.models.llama import LlamaDecoderLayer
 
+from sglang_kvshare.correction import SegmentKV
 from sglang_kvshare.integration.cache.kv_io import gather_aligned, read_source
 from sglang_kvshare.integration.scheduler.inject import inject_segment
-import torch
-
-from sglang_kvshare.correction import SegmentKV
 from sglang_kvshare.recompute import SelectionInputs, get_selector
 from sglang_kvshare.recompute.base import RecomputePlan
 from sglang_kvshare.recompute.job import RecomputeJob

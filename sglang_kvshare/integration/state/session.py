@@ -51,7 +51,7 @@ class Session:
         self.registry = SourceRegistry(args.max_workflows)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}
-        self._controllers: dict[tuple, Any] = {}
+        self._controllers: dict[tuple[str, Optional[float]], Any] = {}
         self._budget: Optional[int] = None
         self.observer = Observer(args.observe)
         self.anchor_file = None  # the scheduler's ``AnchorPoolFile`` (set by ``plugin.py``)
@@ -112,13 +112,12 @@ class Session:
             return None
         return spec.fallback_block or self.args.fallback_block
 
-    def tau_controller(self, name: str, target_rho: Optional[float] = None, block: Optional[int] = None):
+    def tau_controller(self, name: str, target_rho: Optional[float] = None):
         """The gate threshold controller of method ``name`` for a reuse target (None: the
-        server's ``--kvshare-target-rho``, or a fixed tau when that is -1) and gate block size
-        (entropies of blocks and of whole segments are distributed differently)."""
+        server's ``--kvshare-target-rho``, or a fixed tau when that is -1)."""
         if target_rho is None and self.args.target_rho > 0:
             target_rho = self.args.target_rho
-        key = (name, target_rho) if block is None else (name, target_rho, block)
+        key = (name, target_rho)
         if key not in self._controllers:
             max_error = self.args.max_error if self.args.shadow_fraction > 0 else None
             self._controllers[key] = TauController(
@@ -170,7 +169,7 @@ class Session:
             "observations_done": self.observer.num_done,
             "observations_failed": self.observer.num_failed,
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
-            "tau_controllers": {"@".join(map(str, key)): c.stats() for key, c in self._controllers.items()},
+            "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
         } | ({} if self.anchor_file is None else self.anchor_file.stats())
 
     def lookup(self, req) -> Optional[ReqShareState]:
