@@ -40,16 +40,16 @@ class KVShareArgs:
     )
     max_error: float = _flag(0.05, "relative KV error above which a shadowed correction lowers tau")
     fallback: str = _flag(
-        "rows",
-        "what a correction method recomputes when its gate rejects: 'rows' gates each "
-        "--kvshare-fallback-block rows separately and recomputes only the rejected blocks, "
-        "attending the corrected rows (beyond the papers); 'dense' prefills the whole segment "
-        "(the papers)",
+        "dense",
+        "what a correction method recomputes when its gate rejects a segment: 'dense' prefills "
+        "the whole segment (the papers); 'rows' gates the segment's blocks of "
+        "--kvshare-fallback-block rows again and recomputes only the rejected ones, attending "
+        "the corrected rows (beyond the papers; docs/results.md)",
         choices=lambda: list(FALLBACKS),
     )
     fallback_block: int = _flag(
-        64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256 and "
-        "whole segments, docs/results.md)")
+        64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, "
+        "docs/results.md)")
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
