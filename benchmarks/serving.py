@@ -1057,6 +1057,10 @@ def parse_args(argv=None):
     ap.add_argument("--capacity", type=int, default=0,
                     help="also measure each method's capacity: --workflows workflows per context in a closed "
                          "loop with this many in flight (0: skip)")
+    ap.add_argument("--server-per-method", action="store_true",
+                    help="start a fresh server for each method (label): no anchor pool or gate threshold "
+                         "learned under one method reaches another (fallback variants of one method share both "
+                         "on one server)")
     ap.add_argument("--request-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: " + json.dumps(QUICK))
@@ -1088,6 +1092,8 @@ def parse_args(argv=None):
         if args.url is not None and args.plain_lora_url is None and any(m in PLAIN_LORA_METHODS for m in args.methods):
             ap.error(f"--agent-kind lora with --url: {', '.join(PLAIN_LORA_METHODS)} runs on a plain LoRA server "
                      "(no --kvshare-lr-cache); give its URL with --plain-lora-url")
+    if args.server_per_method and (args.url is not None or lora):
+        ap.error("--server-per-method starts its own servers, for system-prompt agents: drop --url / --agent-kind")
     args.rates = sorted(args.rates)
     if args.capacity < 0:
         ap.error("--capacity must be >= 0")
@@ -1102,6 +1108,8 @@ def server_groups(args, adapters: Optional[Dict[str, str]] = None) -> List[tuple
     server; for LoRA agents the LR-cache server, then a plain LoRA server for PLAIN_LORA_METHODS
     (``adapters``: name -> path, instead of the shipped ones)."""
     if args.agent_kind not in LORA_KINDS:
+        if args.server_per_method:
+            return [(m, [m], None, list(args.server_arg)) for m in args.methods]
         return [("main", args.methods, args.url, list(args.server_arg))]
     lora_flags = list(LORA_SERVER_ARGS)
     if adapters:
@@ -1211,7 +1219,7 @@ def main(argv=None) -> Dict[str, Any]:
                 servers.append({"name": name, "methods": methods, "url": url, "flags": flags,
                                 "model_path": info.get("model_path"), "started_here": server is not None,
                                 "pid": pid, "log": str(log_dir / "server.log") if log_dir else None})
-                parts.append(run_methods(args, url, pid, tok, methods, bar, first=gi == 0))
+                parts.append(run_methods(args, url, pid, tok, methods, bar, first=gi == 0 or args.server_per_method))
             finally:
                 if server is not None:
                     server.stop()

@@ -73,6 +73,13 @@ def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server()
         parse_args(["--agent-kind", "lora-random", "--lora-rank", "0"])
     # prompt agents: one server; an attached LR-cache server needs the plain one's URL for fullshared
     assert [g[0] for g in server_groups(parse_args([]))] == ["main"]
+    # one fresh server per method label: fallback variants then learn their own pools and tau
+    per = server_groups(parse_args(["--methods", "kvcmas+dense,kvcmas+rows64", "--server-per-method",
+                                    "--server-arg=--max-total-tokens=8192"]))
+    assert per == [("kvcmas+dense", ["kvcmas+dense"], None, ["--max-total-tokens=8192"]),
+                   ("kvcmas+rows64", ["kvcmas+rows64"], None, ["--max-total-tokens=8192"])]
+    with pytest.raises(SystemExit):
+        parse_args(["--server-per-method", "--url", "http://x:1"])
     with pytest.raises(SystemExit):
         parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--methods", "nonshared,fullshared"])
     attached = server_groups(parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--plain-lora-url",
