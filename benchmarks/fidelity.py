@@ -665,6 +665,9 @@ def parse_args(argv=None):
                     "results/fidelity_tau.json with --sweep-only)")
     ap.add_argument("--max-total-tokens", type=int, default=32768)
     ap.add_argument("--server-url", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--server-per-method", action="store_true",
+                    help="a fresh server for each method of the main run (fallback variants of one method "
+                         "share anchor pools and the gate threshold on one server)")
     ap.add_argument("--dump-dir", default=None, help="its --kvshare-dump-dir (with --server-url)")
     ap.add_argument("--workdir", default=None, help="server logs and dumps (default: a temp dir)")
     ap.add_argument("--keep-dumps", action="store_true")
@@ -696,6 +699,8 @@ def parse_args(argv=None):
     args.taus = [float(t) for t in args.tau_sweep.split(",") if t]
     if any(not 0.0 <= t <= 1.0 for t in args.taus + ([args.tau] if args.tau is not None else [])):
         ap.error("tau must be in [0, 1]")
+    if args.server_per_method and (lora or args.server_url):
+        ap.error("--server-per-method starts its own servers, for prompt agents: drop --server-url / --agents lora")
     if lora and args.taus:
         ap.error("--tau-sweep is for the gated prompt-agent methods, not --agents lora")
     if args.sweep_only and not args.taus:
@@ -769,7 +774,8 @@ def main(argv=None) -> int:
     if not args.sweep_only and args.method_list:
         # labels of the main run are the plain method names; its tau (None: the server's online tau) is in the config
         plan = [(m, m, args.tau if method_variant(m)[0] in TAU_METHODS else None) for m in args.method_list]
-        groups = [("main", False, plan)]
+        groups = [(f"main-{p[0]}", False, [p]) for p in plan] if args.server_per_method \
+            else [("main", False, plan)]
         if lora:  # the LR cache methods (and their nonshared reference) on an LR-cache server
             lr = [p for p in plan if p[1] == "nonshared" or get_method(method_variant(p[1])[0]).lr_sharing]
             groups = [("main-lr", True, lr), ("main-full", False, [p for p in plan if p not in lr])]

@@ -565,7 +565,7 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "anchor_bytes_per_token": sum(b * n for b, n in bpt) / sum(n for _, n in bpt) if bpt else None,
         "kv_bytes_per_token": kv_bpt[0] if kv_bpt else None,
         "requests_log": [{k: r.get(k) for k in ("turn", "agent", "ttft_s", "reused_tokens", "shared_tokens",
-                                                 "accepted", "rejected", "recomputed_rows", "end")} for r in ok],
+                                                 "accepted", "rejected", "recomputed_rows", "gates", "end")} for r in ok],
         "rss_baseline_mb": mem.baseline, "peak_rss_mb": mem.peak_rss,
         "peak_rss_delta_mb": (mem.peak_rss - mem.baseline) if mem.baseline is not None else None,
         "peak_gpu_mb": mem.peak_gpu,
@@ -641,7 +641,8 @@ class Runner:
         from sglang_kvshare.methods import get_method, method_variant
 
         n = self.args.warmup_workflows
-        if n <= 0 or (context, method) in self._warm or get_method(method_variant(method)[0]).corrector is None:
+        correcting = get_method(method_variant(method)[0]).corrector is not None
+        if n <= 0 or (context, method) in self._warm or not (correcting or self.args.server_per_method):
             return
         self._warm.add((context, method))
         self.bar.set_description(f"warm-up ctx {context} {method} ({n} workflows)")
@@ -736,7 +737,7 @@ def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[flo
                             "ttft_later_p90_s": get_path(res, "ttft_later_s.p90"),
                             "ttft_fallback_p90_s": get_path(res, "ttft_fallback_s.p90"),
                             "fallback_turns": res["fallback_turns"], "recomputed_rows": res["recomputed_rows"],
-                            "correction_ms_p50": get_path(res, "correction_ms.p50"),
+                            "correction_ms_p50": get_path(res, "correction_ms.p50"), "gates": res["gates"],
                             "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
                             "errors": res["errors"]}
     return capacity_ratios(out)
@@ -1067,7 +1068,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-warmup", action="store_true", help="skip the one short workflow per method that warms the engine")
     ap.add_argument("--warmup-workflows", type=int, default=10,
                     help="workflows (own contexts, same shape, single stream, not recorded) that warm each "
-                         "correction method's anchor pools before its first point of a context length")
+                         "correction method's anchor pools before its first point of a context length (with "
+                         "--server-per-method every method's, so each fresh server is equally warm)")
     ap.add_argument("--pre-serve", type=int, default=0,
                     help="first serve this many workflows of other roles, 300-400-token contexts and the "
                          "correction methods kvcmas, kvcmas_plus, kvcomm, graphflow (a long-lived server)")
@@ -1186,7 +1188,8 @@ def main(argv=None) -> Dict[str, Any]:
     total += sum(per_point(a, args.base_rounds, args.scaling_workflows) for a in args.agents)
     total += per_point(args.base_agents, args.base_rounds, args.workflows) * len(args.contexts) * bool(args.capacity)
     total += sum(per_point(args.base_agents, r, args.scaling_workflows) for r in args.rounds)
-    correcting = [m for m in args.methods if get_method(method_variant(m)[0]).corrector is not None]
+    correcting = [m for m in args.methods
+                  if args.server_per_method or get_method(method_variant(m)[0]).corrector is not None]
     total += len(args.contexts) * len(correcting) * args.warmup_workflows * turns_of(args.base_agents, args.base_rounds)
     total += args.pre_serve * turns_of(3, 1)
     parts, servers, adapters = [], [], None

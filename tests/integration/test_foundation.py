@@ -16,6 +16,7 @@ from tests.integration.workflow_helpers import (
     run_workflow,
     scrape_metrics,
     segments,
+    settle,
 )
 
 
@@ -97,7 +98,13 @@ def test_injection_at_a_different_position_realigns_keys(tiny_server):
 
 
 def test_later_agents_compute_only_private_tokens(tiny_server):
+    before = settle(tiny_server)["tree_tokens"]
     shared = run_workflow(tiny_server, "skip-fullshared", "fullshared")
+    # copy mode: every agent's request keeps its own KV of what it read (injected or computed),
+    # so the tree grows by at least each prompt (and at most each prompt plus its output)
+    grown = settle(tiny_server)["tree_tokens"] - before
+    prompts = sum(out["meta_info"]["kvshare"]["prompt_tokens"] for out in shared)
+    assert prompts <= grown <= prompts + sum(out["meta_info"]["completion_tokens"] for out in shared)
     dense = run_workflow(tiny_server, "skip-nonshared", "nonshared")
     q_tokens = shared[0]["meta_info"]["kvshare"]["segments"][1]["tokens"]
     assert q_tokens >= 300

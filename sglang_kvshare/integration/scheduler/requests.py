@@ -63,10 +63,12 @@ def is_request_level_key(ses, original, streamer, key):
 @HOOKS.around(f"{_STATE}.get_internal_state", ("self", "recv_req"))
 def get_internal_state(ses, original, controller, recv_req):
     """``/server_info``'s internal state of this scheduler, plus ``kvshare``: correction state,
-    anchor bytes and budget, observations waiting for their factorisation."""
+    anchor bytes and budget, observations waiting for their factorisation, and ``tree_tokens``
+    (KV tokens the radix tree holds: evictable + protected)."""
     out = original(controller, recv_req)
     ses.observer.collect()
-    out.internal_state[KEY] = ses.stats()
+    tree = controller.scheduler.tree_cache
+    out.internal_state[KEY] = ses.stats() | {"tree_tokens": int(tree.evictable_size() + tree.protected_size())}
     return out
 
 
