@@ -20,6 +20,9 @@ observations, up to 10, every gate open), what such a leaf would keep:
 - the re-compression time per segment (all layers, keys and values), and the bytes of a leaf
   per agent against a copy of the segment.
 
+With ``--context-tokens N`` the shared segment is instead an N-token context of the serving
+benchmark (``serving.make_context``, distinct per task), agents 0 and 1 of the MMLU roles.
+
     python -m benchmarks.leaf_study [N_TASKS]     # tables on stdout; --json PATH to keep them
 """
 import argparse
@@ -62,6 +65,8 @@ def rotate(k: torch.Tensor, shift, rope) -> torch.Tensor:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("n_tasks", nargs="?", type=int, default=12)
+    ap.add_argument("--context-tokens", type=int, default=None,
+                    help="shared segments of this many tokens (serving contexts) instead of MMLU questions")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
     hf = HFModel()
@@ -69,7 +74,12 @@ def main(argv=None):
     tasks = load_tasks("mmlu", args.n_tasks, seed=5)
     data = []
     for t in tasks:
-        q = hf.enc(t.question)
+        if args.context_tokens:
+            from benchmarks.serving import make_context
+
+            q = hf.enc(make_context(hf.tok, args.context_tokens, t.id))
+        else:
+            q = hf.enc(t.question)
         p0 = hf.system_ids(roles[0])
         data.append((hf.segment_kv(p0, q), hf.segment_kv(hf.system_ids(roles[1]), q), len(p0)))
         print(t.id, len(q), flush=True)
@@ -138,7 +148,8 @@ def main(argv=None):
     print(f"\n(segments: {L:.0f} tokens on average, {n_layers} layers, {D} K/V columns; a copy: {copy_bytes / 1e3:.0f} K)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tasks": len(rows["correction"]), "errors": table,
+            json.dump({"segments": f"{args.context_tokens}-token contexts" if args.context_tokens else "MMLU questions",
+                       "tasks": len(rows["correction"]), "errors": table,
                        "effective_rank": {k: {str(e): mean(v) for e, v in d.items()} for k, d in ranks.items()},
                        "costs": {str(k): v for k, v in costs.items()}, "mean_rows": L}, f, indent=2)
 

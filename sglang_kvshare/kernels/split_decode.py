@@ -49,6 +49,13 @@ def split_decode_attention(
 ) -> torch.Tensor:
     """Attention of one decode query q [Hq, D] over the slots of ``parts`` in k_cache / v_cache
     [rows, Hkv, D] (Hq a multiple of Hkv): [Hq, Dv], equal to SDPA over the gathered slots."""
+    outs, lses = decode_pieces(q, k_cache, v_cache, parts, scale)
+    return merge_pieces(outs, lses, q.dtype).reshape(q.shape[0], -1)
+
+
+def decode_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, parts: SlotRuns, scale: float):
+    """(outputs, log-sum-exps) of q [Hq, D] over each run of ``parts`` and over its gathered rest,
+    each [1, Hkv, Hq / Hkv, Dv] and [1, Hkv, Hq / Hkv], for ``merge_pieces``."""
     Hq, D = q.shape
     Hkv = k_cache.shape[1]
     qg = q.view(1, Hkv, Hq // Hkv, D)  # KV head h's query heads as rows
@@ -62,9 +69,14 @@ def split_decode_attention(
         )[:2]
         outs.append(o)
         lses.append(lse)
+    return outs, lses
+
+
+def merge_pieces(outs: list, lses: list, dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of the pieces' keys from each piece's output [..., Dv] and
+    log-sum-exp [...] (softmax over the log-sum-exps); a piece whose keys a row may not see
+    (log-sum-exp -inf) has weight 0 there."""
     if len(outs) == 1:
-        out = outs[0]
-    else:
-        w = torch.softmax(torch.stack(lses).float(), dim=0).unsqueeze(-1)  # [P, 1, Hkv, G, 1]
-        out = (torch.stack(outs).float() * w).sum(0).to(q.dtype)
-    return out.reshape(Hq, -1)
+        return outs[0]
+    w = torch.softmax(torch.stack(lses).float(), dim=0).unsqueeze(-1)  # [P, ..., 1]
+    return (torch.stack(outs).float().nan_to_num() * w).sum(0).to(dtype)

@@ -1,0 +1,73 @@
+"""Attention over KV views (``kernels.offset_attention``) equals SDPA over re-rotated copies."""
+
+import pytest
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sglang_kvshare.kernels.offset_attention import offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.split_decode import slot_runs
+from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
+
+D = 16
+ROPE = RopeSpec(inv_freq_for(D, 10000.0), D, True)
+
+
+def _request(hq, hkv, seed=0):
+    """A request of 700 positions: its own system prompt (0:100), a shared span read from a
+    source whose keys sit 37 positions earlier (100:500), another from a source 250 positions
+    later (500:620), its own tail (620:700). Returns (keys as a copy would hold them, the keys
+    as cached in place, values, per-key shift, q)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 700
+    k_true = shift_keys(torch.randn(n, hkv, D, generator=g), torch.arange(n), ROPE)  # RoPE at the request's positions
+    v = torch.randn(n, hkv, D, generator=g)
+    shifts = torch.zeros(n, dtype=torch.int64)
+    shifts[100:500], shifts[500:620] = 37, -250
+    k_cached = shift_keys(k_true, -shifts, ROPE)  # where a view reads them: RoPE at the source's positions
+    return k_true, k_cached, v, shifts, torch.randn(n, hq, D, generator=g)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
+def test_extend_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
+    k_true, k_cached, v, shifts, q_all = _request(hq, hkv)
+    q_pos = torch.arange(650, 700)  # an extend of the last 50 tokens after a 650-token prefix
+    q = shift_keys(q_all[650:], q_pos, ROPE)
+    out = offset_extend_attention(q, k_cached, v, shifts, q_pos, D ** -0.5, ROPE)
+    mask = torch.arange(700)[None, :] <= q_pos[:, None]
+    ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=D ** -0.5, enable_gqa=hq != hkv)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # negative control: the cached keys without their offsets attend to something else
+    plain = offset_extend_attention(q, k_cached, v, torch.zeros_like(shifts), q_pos, D ** -0.5, ROPE)
+    assert (plain - ref).abs().max() > 1e-3
+
+
+def test_extend_with_offsets_keeps_the_causal_mask_inside_a_shifted_span():
+    k_true, k_cached, v, shifts, q_all = _request(4, 2, seed=1)
+    q_pos = torch.arange(200, 560)  # queries inside both shared spans: some see only part of them
+    q = shift_keys(q_all[200:560], q_pos, ROPE)
+    out = offset_extend_attention(q, k_cached[:560], v[:560], shifts[:560], q_pos, D ** -0.5, ROPE)
+    mask = torch.arange(560)[None, :] <= q_pos[:, None]
+    ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true[:560].transpose(0, 1)[None],
+                                       v[:560].transpose(0, 1)[None], attn_mask=mask, scale=D ** -0.5,
+                                       enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
+def test_decode_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
+    k_true, k_cached, v, shifts, q_all = _request(hq, hkv, seed=2)
+    # the pool: the request's slots in a scattered order, the views' spans as long runs
+    rows = 4096
+    slots = torch.cat([torch.arange(3000, 3100), torch.arange(500, 900), torch.arange(2000, 2120),
+                       torch.arange(3200, 3280)])
+    k_pool, v_pool = torch.zeros(rows, hkv, D), torch.zeros(rows, hkv, D)
+    k_pool[slots], v_pool[slots] = k_cached, v
+    q = shift_keys(q_all[699:], torch.tensor([699]), ROPE)[0]  # the decode token at position 699
+    parts = [(slot_runs(slots[shifts == d]), d) for d in (0, 37, -250)]
+    out = offset_decode_attention(q, k_pool, v_pool, parts, D ** -0.5, ROPE)
+    ref = scaled_dot_product_attention(q[None, :, None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       scale=D ** -0.5, enable_gqa=hq != hkv)[0, :, 0]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    unshifted = offset_decode_attention(q, k_pool, v_pool, [(slot_runs(slots), 0)], D ** -0.5, ROPE)
+    assert (unshifted - ref).abs().max() > 1e-3
