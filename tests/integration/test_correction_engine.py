@@ -140,7 +140,8 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
     before = scrape_metrics(tiny_server)
     meta = _workflow(tiny_server, "rows-run", "kvcmas", _question(53), agents, slot, tau=tau, **rows)[1]
     q = meta["segments"][1]
-    assert q["mode"] == "corrected" and q["block_entropies"] == entropies and q["entropy"] > tau, json.dumps(q)
+    assert q["mode"] == "corrected" and q["gate"] == "partial", json.dumps(q)
+    assert q["block_entropies"] == entropies and q["entropy"] > tau
     rows_of = [r for i in rejected for r in range(i * block, min((i + 1) * block, q["corrected_rows"]))]
     assert q["rejected_blocks"] == len(rejected) and q["recomputed_rows"] == len(rows_of)
     assert q["injected_tokens"] == q["tokens"] - len(rows_of)
@@ -148,7 +149,9 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
     fallback = sum(s["tokens"] for s in meta["segments"] if s["mode"] == "dense_fallback")
     assert meta["computed_tokens"] == private_tokens(meta) + missing + fallback
     assert meta["recomputed_rows"] >= len(rows_of)
-    assert grew(before, scrape_metrics(tiny_server), "kvshare_recomputed_rows_total", method="kvcmas") == meta["recomputed_rows"]
+    after = scrape_metrics(tiny_server)
+    assert grew(before, after, "kvshare_recomputed_rows_total", method="kvcmas") == meta["recomputed_rows"]
+    assert grew(before, after, "kvshare_corrections_total", method="kvcmas", outcome="rejected", reason="partial") >= 1
 
     _workflow(tiny_server, "rows-dense", "nonshared", _question(53), agents, slot)
     err_probe, probe_kv = _rows_error(tiny_server, "rows-probe", "critic", slot, "rows-dense")

@@ -98,6 +98,12 @@ def test_injection_at_a_different_position_realigns_keys(tiny_server):
 
 
 def test_later_agents_compute_only_private_tokens(tiny_server):
+    import requests
+
+    # other tests sharing this server may have filled the pool: an eviction during the workflow
+    # would shrink what the tree is seen to gain, so start from an empty tree
+    flushed = requests.post(tiny_server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    assert flushed.status_code == 200, flushed.text
     before = settle(tiny_server)["tree_tokens"]
     shared = run_workflow(tiny_server, "skip-fullshared", "fullshared")
     # copy mode: every agent's request keeps its own KV of what it read (injected or computed),
