@@ -40,11 +40,12 @@ class KVShareArgs:
     )
     max_error: float = _flag(0.05, "relative KV error above which a shadowed correction lowers tau")
     fallback: str = _flag(
-        "dense",
-        "what a correction method recomputes when its gate rejects a segment: 'dense' prefills "
-        "the whole segment (the papers); 'rows' gates the segment's blocks of "
-        "--kvshare-fallback-block rows again and recomputes only the rejected ones, attending "
-        "the corrected rows (beyond the papers; docs/results.md)",
+        "rows",
+        "what a correction method recomputes when its gate rejects a segment: 'rows' gates the "
+        "segment's blocks of --kvshare-fallback-block rows again and recomputes only the rejected "
+        "ones, attending the corrected rows (beyond the papers; chosen by measurement, "
+        "docs/results.md; dense where the attention backend or model cannot recompute rows); "
+        "'dense' prefills the whole segment (the papers)",
         choices=lambda: list(FALLBACKS),
     )
     fallback_block: int = _flag(

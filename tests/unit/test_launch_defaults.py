@@ -98,8 +98,10 @@ def test_fallback_flags():
 
     parser = argparse.ArgumentParser()
     KVShareArgs.add_cli_args(parser)
-    args = KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-fallback", "rows", "--kvshare-fallback-block", "64"]))
-    assert (args.fallback, args.fallback_block) == ("rows", 64)
+    default = KVShareArgs.from_cli_args(parser.parse_args([]))
+    assert (default.fallback, default.fallback_block) == ("rows", 64)  # chosen by measurement
+    args = KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-fallback", "dense", "--kvshare-fallback-block", "256"]))
+    assert (args.fallback, args.fallback_block) == ("dense", 256)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kvshare-fallback", "partial"])
     with pytest.raises(ValueError, match="--kvshare-fallback-block must be >= 1"):
