@@ -92,7 +92,8 @@ class CorrectionResult:
     entropy: the normalised gate entropy in [0, 1] when a gate ran, else None.
     num_anchors: anchors that took part in the gate (0 when none did).
     corrected_len: leading rows to which a correction was applied.
-    reason: a short machine-readable word: "accepted", "few_anchors", "entropy", "no_relation", ...
+    reason: a short machine-readable word: "accepted", "partial" (accepted for some blocks only),
+        "few_anchors", "entropy", "no_relation", ...
     delta: when accepted, the correction of rows ``:corrected_len`` relative to the base cache
         (the source when ``chained``, else the reference).
     anchor_bytes_per_token: the footprint of one anchor that took part (its base and the

@@ -238,7 +238,8 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
         for a in members:
             a.use_count += 1
         kv = apply_delta(base, source, delta, k) if materialize else None
-        return CorrectionResult(True, kv, entropy, len(members), k, "accepted", delta=delta,
+        reason = "partial" if entropy is not None and entropy > tau else "accepted"  # partial: some blocks
+        return CorrectionResult(True, kv, entropy, len(members), k, reason, delta=delta,
                                 anchor_bytes_per_token=per_token, blocks=blocks)
 
     def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:

@@ -10,6 +10,7 @@ import torch
 from tests.integration.workflow_helpers import (
     QUESTION,
     SYSTEM,
+    flush_cache,
     grew,
     payload,
     private_tokens,
@@ -98,12 +99,9 @@ def test_injection_at_a_different_position_realigns_keys(tiny_server):
 
 
 def test_later_agents_compute_only_private_tokens(tiny_server):
-    import requests
-
     # other tests sharing this server may have filled the pool: an eviction during the workflow
     # would shrink what the tree is seen to gain, so start from an empty tree
-    flushed = requests.post(tiny_server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
-    assert flushed.status_code == 200, flushed.text
+    flush_cache(tiny_server)
     before = settle(tiny_server)["tree_tokens"]
     shared = run_workflow(tiny_server, "skip-fullshared", "fullshared")
     # copy mode: every agent's request keeps its own KV of what it read (injected or computed),
@@ -241,13 +239,9 @@ def test_openai_client_streams_an_annotated_chat(tiny_server):
 
 
 def test_an_evicted_source_means_dense_prefill_not_an_error(tiny_server):
-    import requests
-
     first = tiny_server.generate(payload("evict-1", "solver", "fullshared", segments("solver", {}), 4))
     assert first.status_code == 200
-    # the flush waits (up to 60 s) for requests of other tests still in flight
-    flushed = requests.post(tiny_server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
-    assert flushed.status_code == 200, flushed.text
+    flush_cache(tiny_server)
     r = tiny_server.generate(payload("evict-1", "critic", "fullshared", segments("critic", {"solver": first.json()["text"]}), 4))
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]["kvshare"]

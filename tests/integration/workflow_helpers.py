@@ -52,6 +52,15 @@ def private_tokens(meta: dict) -> int:
     return sum(s["tokens"] for s in meta["segments"] if not s["shared"])
 
 
+def flush_cache(server) -> None:
+    """Empty the server's radix tree (SGLang's ``/flush_cache``; it waits up to 60 s for
+    requests of other tests still in flight)."""
+    import requests
+
+    flushed = requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=120)
+    assert flushed.status_code == 200, flushed.text
+
+
 def settle(server, timeout: float = 120.0) -> dict:
     """Wait until the server has recorded every dense-fallback observation (they are factorised
     beside the scheduler); returns its ``kvshare`` internal state."""

@@ -174,7 +174,7 @@ def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_to
     job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows,
                    rope, head_dim)
     recomputed = sum(hi - lo for lo, hi in result.rejected_rows)
-    st.corrections[index].update(gate="partial", recomputed_rows=recomputed)  # the segment's gate rejected it
+    st.corrections[index]["recomputed_rows"] = recomputed
     st.jobs[index] = job
     st.modes[index] = "corrected"
     st.injected[index] = num_tokens - recomputed
