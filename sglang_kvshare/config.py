@@ -51,6 +51,14 @@ class KVShareArgs:
     fallback_block: int = _flag(
         64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, "
         "docs/results.md)")
+    kv_views: str = _flag(
+        "on",
+        "how a later agent holds a shared segment it reuses unchanged (fullshared): 'on' reads the "
+        "source's KV slots in place (one copy of the context; its queries turned by the RoPE "
+        "offset), where the kvshare_torch backend on the CPU with page size 1 can attend them, "
+        "else copies; 'off' always writes a re-rotated copy into the request's own slots",
+        choices=lambda: ["on", "off"],
+    )
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
@@ -144,6 +152,7 @@ class KVShareArgs:
             ("anchor_mem_fraction", 0.0 < self.anchor_mem_fraction < 1.0, "in (0, 1)"),
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
+            ("kv_views", self.kv_views in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),

@@ -5,6 +5,7 @@ startup check of their targets (``hookspec.check``). Adding a hook: declare it i
 from __future__ import annotations
 
 from sglang_kvshare.integration import hookspec
+from sglang_kvshare.integration.cache import views
 from sglang_kvshare.integration.model import lora_hooks, recompute_layer
 from sglang_kvshare.integration.scheduler import double_batch, prefill, requests, worker_forward
 from sglang_kvshare.integration.server import chat_serving, generate
@@ -13,7 +14,7 @@ from sglang_kvshare.integration.server import chat_serving, generate
 SERVER_HOOKS = (generate.HOOKS, chat_serving.HOOKS)
 # hooks of the scheduler process (its scheduling loop and model forward): registered with the session
 SCHEDULER_HOOKS = (prefill.HOOKS, requests.HOOKS, double_batch.HOOKS, worker_forward.HOOKS,
-                   lora_hooks.HOOKS, recompute_layer.HOOKS)
+                   lora_hooks.HOOKS, recompute_layer.HOOKS, views.HOOKS)
 
 
 def all_hooks() -> list[hookspec.Hook]:

@@ -68,17 +68,23 @@ def _moved(keys: torch.Tensor, delta: int, rope: RopeSpec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_aligned(pool, src: torch.Tensor, delta: int, rope: RopeSpec):
-    """K/V of slots ``src`` in every layer, keys moved ``delta`` positions (one RoPE rotation
-    for all layers at once): (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
+def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSpec, views=None):
+    """K/V of slots ``src`` (a segment at ``start``) in every layer, keys moved ``delta`` positions
+    (one RoPE rotation for all layers at once; ``views``' rows first brought to ``start + i``):
+    (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
     keys, values = stack_kv(pool, src)
+    if views is not None:
+        keys = views.align_keys(keys, src, start, rope, dim=1)
     return _moved(keys, delta, rope), values
 
 
 @torch.no_grad()
-def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec) -> SegmentKV:
+def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
-    k, v = stack_kv(pool, idx.to(torch.int64), dim=0)  # [L, n, H, D], no transpose needed
+    idx = idx.to(torch.int64)
+    k, v = stack_kv(pool, idx, dim=0)  # [L, n, H, D], no transpose needed
+    if views is not None:
+        k = views.align_keys(k, idx, start, rope, dim=0)
     L, n, H, D = k.shape
     return SegmentKV(_moved(k, -start, rope).reshape(L, n, H * D), v.reshape(L, n, H * D))
 

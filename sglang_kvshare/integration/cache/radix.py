@@ -10,19 +10,24 @@ can find them here (:meth:`KVShareRadixCache.find_source`) as injection sources.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from array import array
 from pathlib import Path
 from typing import Callable
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_kvshare.integration.cache.kv_io import stack_kv
+from sglang_kvshare.integration.cache.views import KVViews
 from sglang_kvshare.segments.sources import SourceRecord
 
 BACKEND_NAME = "kvshare"
+
+logger = logging.getLogger(__name__)
 
 
 class KVShareRadixCache(RadixCache):
@@ -67,6 +72,33 @@ class KVShareRadixCache(RadixCache):
         if bool(moved.any()):
             lr.copy_column(before[: after.numel()][moved].long(), after[moved].long(), lr.column_of(req.lora_id))
 
+    def evictable_size(self):
+        """Tokens eviction can free: a slot that KV views share counts once (``cache/views.py``;
+        a shared slot a live request holds is not counted, so admission stays conservative)."""
+        size = super().evictable_size()
+        views = self.session.views
+        return size if views is None else max(size - views.extra_total, 0)
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Stock eviction, repeated while the evicted leaves freed fewer slots than asked for
+        (a leaf whose slots KV views share frees none while another holder keeps them)."""
+        allocator = self.token_to_kv_pool_allocator
+        if self.session.views is None or allocator.free_group is not None:
+            return super().evict(params)
+        before = allocator.available_size()
+        result = super().evict(params)
+        total = result.num_tokens_evicted
+        while result.num_tokens_evicted and allocator.available_size() - before < params.num_tokens:
+            freed = allocator.available_size() - before
+            result = super().evict(dataclasses.replace(params, num_tokens=params.num_tokens - freed))
+            total += result.num_tokens_evicted
+        return dataclasses.replace(result, num_tokens_evicted=total)
+
+    def reset(self):
+        super().reset()
+        if getattr(self, "session", None) is not None and self.session.views is not None:
+            self.session.views.clear()
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         self.released(self, req, checkpointed)
@@ -84,7 +116,10 @@ class KVShareRadixCache(RadixCache):
         lr = self.session.lr
         for slot, start, end in spans:
             idx = row[start:end].to(torch.int64)
-            k, v = (t.float() for t in stack_kv(pool, idx, dim=0))
+            k, v = stack_kv(pool, idx, dim=0)
+            if self.session.views is not None:  # as the request reads them: at its positions
+                k = self.session.views.align_keys(k, idx, start, self.session.rope, dim=0)
+            k, v = k.float(), v.float()
             record = {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
                       "meta": dict(st.meta)}
             if lr is not None:
@@ -104,4 +139,12 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
         raise ValueError(
             "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
         )
-    return KVShareRadixCache(ctx.params, session, released)
+    tree = KVShareRadixCache(ctx.params, session, released)
+    allocator = ctx.params.token_to_kv_pool_allocator
+    why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")
+    if session.args.kv_views == "on" and why_not is None:
+        session.views = KVViews(allocator.size + 1, allocator.device)  # slot 0 is padding
+        logger.info("kvshare KV views on: later agents read shared segments in the source's slots")
+    elif session.args.kv_views == "on":
+        logger.info("kvshare KV views off (%s): later agents copy shared segments", why_not)
+    return tree

@@ -5,6 +5,8 @@ a few tokens after a long (cached or injected) prefix costs as much as attending
 sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
 causal mask shifted by the prefix length. Decode attends each request's long runs of KV slots in
 place instead of gathering them every layer (``kernels.split_decode``); every other case stays stock.
+A request that reads KV views (``cache/views.py``: keys rotated for other positions) is attended
+with its queries turned per RoPE offset (``kernels.offset_attention``), extend and decode.
 
 During selective recomputation (``recompute_layer.py``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
@@ -25,8 +27,10 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
 from torch.nn.functional import scaled_dot_product_attention
 
+from sglang_kvshare.integration.cache.views import views_unsupported
 from sglang_kvshare.integration.model.lr_pool import LRCache, paged_indices
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
+from sglang_kvshare.kernels.offset_attention import offset_decode_attention, offset_extend_attention
 from sglang_kvshare.kernels.split_decode import slot_runs, split_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         self.model_runner = model_runner
         self.session = session
         session.runner = model_runner  # its pools are the ones recompute jobs write
+        session.views_unsupported = views_unsupported(model_runner, session)
         self.lr = None
 
     def init_forward_metadata(self, forward_batch):
@@ -103,6 +108,11 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             sel = sel.to(q.device)
             q_pos = prefix + dev_rows[sel] - start
             slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
+            shifts = self._key_shifts(i, slots)
+            if shifts is not None:
+                out[sel] = offset_extend_attention(q_[sel], k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype),
+                                                   shifts, q_pos, layer.scaling, self._rope())
+                continue
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
             values = v_cache[slots].transpose(0, 1).to(q.dtype)
             mask = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos[:, None]
@@ -112,6 +122,26 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             )
             out[sel] = o.squeeze(0).transpose(0, 1)
         return out.reshape(-1, heads * v_dim)
+
+    def _rope(self):
+        return self.session.rope_of(self.model_runner)
+
+    def _key_shifts(self, i: int, slots: torch.Tensor, seq_lens=None):
+        """Request ``i``'s per-key RoPE offsets over its slots ``slots`` (KV views,
+        ``cache/views.py``), or None when it reads every key at its own position; kept for the
+        other layers of the forward running ``seq_lens`` (default: the one begun)."""
+        views = self.session.views
+        if views is None or views.marked == 0:
+            return None
+        fwd = self.session.forward
+        if fwd is not None and seq_lens is not None and fwd.batch.seq_lens is not seq_lens:
+            fwd = None  # not the forward the backend began: compute without keeping
+        if fwd is not None and i in fwd.key_shifts:
+            return fwd.key_shifts[i]
+        shifts = views.offsets(slots)
+        if fwd is not None:
+            fwd.key_shifts[i] = shifts
+        return shifts
 
     def _lr_layer(self, layer) -> bool:
         return (
@@ -174,13 +204,25 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             fwd = None  # not the forward the backend began: plan without keeping it
         runs = None if fwd is None else fwd.decode_runs
         if runs is None:
-            runs = [slot_runs(req_to_token[req_pool_indices[i], : int(n)]) for i, n in enumerate(seq_lens.tolist())]
+            runs = [self._decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
+                    for i, n in enumerate(seq_lens.tolist())]
             if fwd is not None:
                 fwd.decode_runs = runs
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for i, parts in enumerate(runs):
-            output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
+            if isinstance(parts, list):  # (runs, shift) parts: the request reads KV views
+                output[i] = offset_decode_attention(query[i], k_cache, v_cache, parts, scale, self._rope())
+            else:
+                output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
         return output
+
+    def _decode_parts(self, i: int, slots: torch.Tensor, seq_lens):
+        """Request ``i``'s slots as ``SlotRuns``, or, when it reads KV views, a list of
+        (``SlotRuns``, shift) per RoPE offset."""
+        shifts = self._key_shifts(i, slots, seq_lens)
+        if shifts is None:
+            return slot_runs(slots)
+        return [(slot_runs(slots[shifts == d]), int(d)) for d in torch.unique(shifts).tolist()]
 
     def _run_sdpa_forward_extend(
         self,
@@ -215,6 +257,16 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             prefix_len = int(extend_prefix_lens[i])
             kv_len = int(seq_lens[i])
             tokens = req_to_token[req_pool_indices[i], :kv_len]
+            shifts = self._key_shifts(i, tokens, seq_lens)
+            if shifts is not None:  # KV views: keys rotated for other positions
+                output[start_q : start_q + q_len] = offset_extend_attention(
+                    query[start_q : start_q + q_len], k_cache[tokens].to(query.dtype),
+                    v_cache[tokens].to(query.dtype), shifts,
+                    torch.arange(prefix_len, prefix_len + q_len, device=query.device),
+                    query.shape[-1] ** -0.5 if scaling is None else scaling, self._rope(),
+                )
+                start_q += q_len
+                continue
             q = query[start_q : start_q + q_len].transpose(0, 1)  # [H, q, D]
             k = k_cache[tokens].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
             v = v_cache[tokens].transpose(0, 1).to(q.dtype)

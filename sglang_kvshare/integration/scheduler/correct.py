@@ -104,8 +104,8 @@ def correct_segment(
             ref = None if ref_rec is None else held.enter_context(read_source(tree, ref_rec, num_tokens, whole=True))
             if ref is None:
                 return None
-        source = gather_canonical(pool, src, rec.start, rope)
-        reference = gather_canonical(pool, ref, ref_rec.start, rope) if ref is not None else None
+        source = gather_canonical(pool, src, rec.start, rope, ses.views)
+        reference = gather_canonical(pool, ref, ref_rec.start, rope, ses.views) if ref is not None else None
         if fused is None:
             fused = src.is_cuda
         controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
@@ -206,7 +206,7 @@ def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:
         if span.start + obs.num_tokens > owned:
             continue
         idx = row[span.start : span.start + obs.num_tokens]
-        target = gather_canonical(pool, idx, span.start, rope)
+        target = gather_canonical(pool, idx, span.start, rope, ses.views)
         if obs.shadow is not None:
             error = relative_error(obs.shadow, target)
             controller.observe_error(obs.entropy, error)

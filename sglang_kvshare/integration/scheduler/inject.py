@@ -1,8 +1,9 @@
 """Writing a source agent's cached K/V of a shared segment into a request's KV slots.
 
 Called from the scheduler between two prefill chunks of the request (see ``prefill.py``), so
-the injected slots count as prefix for the next chunk. Keys are moved to the new positions
-with an exact RoPE rotation (``sglang_kvshare.rope``); values are copied.
+the injected slots count as prefix for the next chunk. With KV views (``cache/views.py``) the
+request reads the source's slots in place; else keys are copied and moved to the new positions
+with an exact RoPE rotation (``sglang_kvshare.rope``), values copied.
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ def injectable_len(req, span: Span, rec: SourceRecord) -> int:
 
 def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_tokens: int,
                    rope: RopeSpec) -> Optional[InjectResult]:
-    """Copy up to ``num_tokens`` of ``rec``'s cached K/V (keys re-aligned) into new slots for
-    ``span``; None (nothing changed) when the source is gone or no KV slots can be had."""
+    """Up to ``num_tokens`` of ``rec``'s cached K/V for ``span``: a view of the source's slots,
+    or a copy (keys re-aligned) in new slots; None (nothing changed) when the source is gone or
+    no KV slots can be had."""
     with read_source(scheduler.tree_cache, rec, num_tokens) as src:
         if src is None:
             return None
+        if ses.views is not None:
+            ses.views.share(src, torch.arange(rec.start, rec.start + len(src)))
+            ses.lookup(req).view_tokens += len(src)
+            return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=src)
         dst = alloc_slots(scheduler, req, span.start, len(src))
         if dst is None:
             return None
@@ -51,7 +57,7 @@ def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_token
             for k_buf, v_buf in kv_layers(pool):
                 kv_correct(k_buf, v_buf, src, dst64, delta, rope)
         else:
-            write_layers(pool, dst64, *gather_aligned(pool, src, delta, rope))
+            write_layers(pool, dst64, *gather_aligned(pool, src, rec.start, delta, rope, ses.views))
         if ses.lr is not None:
             ses.lr.copy_rows(src, dst64)
     return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=dst)

@@ -85,7 +85,7 @@ def start_job(ses, scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio:
         if src is None:
             return None, "source_gone"
         pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
-        k, v = gather_aligned(pool, src, span.start - rec.start, rope)
+        k, v = gather_aligned(pool, src, rec.start, span.start - rec.start, rope, ses.views)
         k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
     job = RecomputeJob(span.start, k, v, st.method.selector, ratio, plan=plan, hidden=hidden)
     if plan is not None:

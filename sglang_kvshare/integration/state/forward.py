@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 _UNSET = object()
@@ -22,14 +22,16 @@ class ForwardState:
     - ``paged``: the batch's paged KV indices (``lr_cache.paged_indices``), built by the first
       LR attention layer and shared by all the others;
     - ``decode_runs``: in a decode, each request's KV slots as runs (``kernels.split_decode``),
-      built by the first attention layer and shared by all the others."""
+      built by the first attention layer and shared by all the others;
+    - ``key_shifts``: with KV views, each request's per-key RoPE offsets (``cache/views.py``)."""
 
     batch: Any  # the ForwardBatch
     plan: Any = _UNSET
     running: Optional[tuple] = None
     lr_columns: Any = None  # [bs] int64 tensor
     paged: Optional[tuple] = None  # (kv_indices, qo_indptr, kv_indptr)
-    decode_runs: Optional[list] = None  # [bs] SlotRuns
+    decode_runs: Optional[list] = None  # [bs] SlotRuns, or (SlotRuns, shift) lists with KV views
+    key_shifts: dict = field(default_factory=dict)  # request index -> per-key RoPE offsets or None
 
     @property
     def planned(self) -> bool:

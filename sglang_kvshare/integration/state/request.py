@@ -35,6 +35,7 @@ class ReqShareState:
     # "recomputed"; injected token counts
     modes: dict[int, str] = field(default_factory=dict)
     injected: dict[int, int] = field(default_factory=dict)
+    view_tokens: int = 0  # of those, tokens read in the source's slots (KV views)
     sources: dict[int, str] = field(default_factory=dict)
     decided: set[int] = field(default_factory=set)  # PH spans whose injection was tried
     # per span index: gate outcome of a correction method (entropy, reason, corrected rows)
@@ -125,6 +126,7 @@ class ReqShareState:
             reference_tokens=self.spec.reference_tokens,
             reused_tokens=max(self.prompt_len - computed, 0),
             injected_tokens=injected_total,
+            view_tokens=self.view_tokens,
             corrections_accepted=sum(m == "corrected" for m in self.modes.values()),
             corrections_rejected=sum(m == "dense_fallback" for m in self.modes.values()),
             cached_tokens=self.first_prefix_len or 0,

@@ -44,6 +44,10 @@ class Session:
         self.hidden = HiddenStore()  # selective recomputation's stored hidden states
         self.profiles: dict[tuple[str, int], Any] = {}  # DroidSpeak profiles by (path, layers)
         self.runner = None  # the model runner whose attention backend is kvshare_torch
+        # KV views (``cache/views.py``): why they cannot run here (None: the attention backend
+        # can attend them), set by the attention backend; the views, built with the tree
+        self.views_unsupported: Optional[str] = "attention backend is not kvshare_torch"
+        self.views = None
         self.forward: Optional[ForwardState] = None  # the forward now running
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
@@ -170,7 +174,9 @@ class Session:
             "observations_failed": self.observer.num_failed,
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
-        } | ({} if self.anchor_file is None else self.anchor_file.stats())
+            "view_tokens": sum(st.view_tokens for st in self.requests.values()),
+        } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
+            {} if self.views is None else self.views.stats())
 
     def lookup(self, req) -> Optional[ReqShareState]:
         """The segment state of a scheduler ``Req`` (None: unannotated, or not admitted)."""

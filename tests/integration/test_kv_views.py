@@ -1,0 +1,88 @@
+"""KV views (one copy of a shared context) in the real engine: later fullshared agents read the
+source's KV slots in place (the tiny server's default) and generate exactly what copy mode
+(``--kvshare-kv-views off``) generates, while the tree holds each shared segment once."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import requests
+
+from tests.integration.server import kvshare_server
+from tests.integration.workflow_helpers import flush_cache, payload, segments, settle
+
+AGENTS = ("solver", "critic", "final")
+
+
+@pytest.fixture(scope="module")
+def copy_server(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("tiny-copy")
+    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-kv-views", "off")
+    yield server
+    server.stop()
+
+
+def _workflow(server, wf: str, max_new_tokens: int = 16) -> list[dict]:
+    """The sequential 3-agent fullshared workflow, greedy, with each output token's logprob."""
+    outputs: dict[str, str] = {}
+    results = []
+    for agent in AGENTS:
+        body = payload(wf, agent, "fullshared", segments(agent, outputs), max_new_tokens)
+        body["return_logprob"] = True
+        r = server.generate(body)
+        assert r.status_code == 200, r.text
+        results.append(r.json())
+        outputs[agent] = r.json()["text"]
+    return results
+
+
+def test_views_generate_as_copy_mode_and_hold_one_copy(tiny_server, copy_server):
+    runs, grown = {}, {}
+    for name, server in (("views", tiny_server), ("copy", copy_server)):
+        flush_cache(server)
+        before = settle(server)["tree_tokens"]
+        runs[name] = _workflow(server, f"views-vs-copy-{name}")
+        grown[name] = settle(server)["tree_tokens"] - before
+    viewed = 0
+    for v, c in zip(runs["views"], runs["copy"]):
+        mv, mc = v["meta_info"]["kvshare"], c["meta_info"]["kvshare"]
+        assert mv["injected_tokens"] == mc["injected_tokens"]
+        assert mv["view_tokens"] == mv["injected_tokens"] and mc["view_tokens"] == 0
+        viewed += mv["view_tokens"]
+        assert v["output_ids"] == c["output_ids"]
+        lv = [t[0] for t in v["meta_info"]["output_token_logprobs"]]
+        lc = [t[0] for t in c["meta_info"]["output_token_logprobs"]]
+        assert lv == pytest.approx(lc, abs=1e-4)
+    assert viewed > 500  # the question twice and the outputs
+    # the views' slots are the sources': the tree holds them once
+    assert grown["views"] == grown["copy"] - viewed
+    assert grown["views"] <= 0.5 * grown["copy"]
+
+
+def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):
+    """Many readers of one source at once, some cut off by their client mid-generation: every
+    shared slot is freed exactly once (SGLang's strict idle check would also stop the server)."""
+    flush_cache(tiny_server)
+    base = "views-churn"
+    first = tiny_server.generate(payload(base, "solver", "fullshared", segments("solver", {}), 4))
+    assert first.status_code == 200
+
+    def read(i):
+        body = payload(base, f"reader-{i}", "fullshared", segments("critic", {}), 24 if i % 3 else 400)
+        try:
+            r = tiny_server.generate(body, timeout=2 if i % 3 == 0 else 300)
+            return r.json()["meta_info"]["kvshare"]["view_tokens"] if r.status_code == 200 else r.status_code
+        except requests.exceptions.Timeout:
+            return "client gone"
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(read, range(12)))
+    viewed = [r for r in results if isinstance(r, int) and r > 100]
+    assert len(viewed) >= 8, results
+    flush_cache(tiny_server)  # waits for the readers whose clients left
+    state = settle(tiny_server)
+    assert state["double_frees"] == 0 and state["view_tokens"] == 0
+    assert state["tree_tokens"] == 0 and state["shared_slot_refs"] == 0 and state["view_slots"] == 0
+    again = tiny_server.generate(payload(base + "-2", "solver", "fullshared", segments("solver", {}), 4))
+    assert again.status_code == 200
