@@ -8,6 +8,7 @@ with an exact RoPE rotation (``sglang_kvshare.rope``), values copied.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -41,12 +42,21 @@ def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_token
     """Up to ``num_tokens`` of ``rec``'s cached K/V for ``span``: a view of the source's slots,
     or a copy (keys re-aligned) in new slots; None (nothing changed) when the source is gone or
     no KV slots can be had."""
+    t0 = time.perf_counter()
+    st = ses.lookup(req)
+    try:
+        return _inject(ses, scheduler, req, st, span, rec, num_tokens, rope)
+    finally:
+        st.inject_ms += (time.perf_counter() - t0) * 1e3
+
+
+def _inject(ses, scheduler, req, st, span, rec, num_tokens, rope) -> Optional[InjectResult]:
     with read_source(scheduler.tree_cache, rec, num_tokens) as src:
         if src is None:
             return None
         if ses.views is not None:
             ses.views.share(src, torch.arange(rec.start, rec.start + len(src)))
-            ses.lookup(req).view_tokens += len(src)
+            st.view_tokens += len(src)
             return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=src)
         dst = alloc_slots(scheduler, req, span.start, len(src))
         if dst is None:

@@ -36,6 +36,7 @@ class ReqShareState:
     modes: dict[int, str] = field(default_factory=dict)
     injected: dict[int, int] = field(default_factory=dict)
     view_tokens: int = 0  # of those, tokens read in the source's slots (KV views)
+    inject_ms: float = 0.0  # scheduler time spent injecting (view or copy)
     sources: dict[int, str] = field(default_factory=dict)
     decided: set[int] = field(default_factory=set)  # PH spans whose injection was tried
     # per span index: gate outcome of a correction method (entropy, reason, corrected rows)
@@ -132,6 +133,8 @@ class ReqShareState:
             cached_tokens=self.first_prefix_len or 0,
             segments=segs,
         )
+        if injected_total and not self.method.corrector:
+            self.meta["inject_ms"] = round(self.inject_ms, 3)
         if self.method.lr_sharing == "rebase_lp":
             self.meta.update(rebuild_tokens=self.spec.rebuild_tokens, rebuild_wait_ms=self.spec.rebuild_wait_ms)
         if self.method.selector:

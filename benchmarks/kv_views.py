@@ -1,0 +1,144 @@
+"""One copy of a shared context: KV views against copy mode, side by side in one run.
+
+Two fresh servers in turn (``python -m sglang_kvshare.launch_server``, the default SmolLM2 on the
+CPU, default flags), one with ``--kvshare-kv-views on`` (the default), one with ``off`` (copy mode:
+every later agent writes a re-rotated copy of each shared segment into slots of its own). Each
+runs the same sequential 4-agent ``fullshared`` workflows: agent i reads the workflow's shared
+context (distinct per workflow, ``benchmarks.serving.make_context``) and every earlier agent's
+output, greedy, ``--output-len`` tokens each (ignore_eos). Before each workflow the radix tree is
+flushed, so ``tree_tokens`` after it (``/server_info``) is the KV one finished workflow leaves.
+
+Reported per mode, then views / copy: KV tokens the tree holds per workflow, the scheduler's
+injection time per later agent (``meta_info.kvshare.inject_ms``), later agents' TTFT and decode
+tokens/s (streamed), and whether every greedy output equals the other mode's.
+
+    python -m benchmarks.kv_views                     # 2K context, 4 agents, 6 workflows (+1 warm-up)
+    python -m benchmarks.kv_views --context 512 --workflows 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from benchmarks.serving import make_context, stream_generate
+from tests.integration.server import Server
+from tests.integration.workflow_helpers import flush_cache, payload, segments, settle
+
+AGENTS = {
+    "planner": "You are the planner. Split the task into steps.",
+    "solver": "You are a careful solver. Think step by step.",
+    "critic": "You are a strict critic who checks every claim of the solver.",
+    "final": "You read the analyses and give the final answer only.",
+}
+
+
+def workflow(server: Server, session: requests.Session, context: str, wf: str, agents: list[str],
+             output_len: int) -> dict:
+    flush_cache(server)
+    outputs, turns = {}, []
+    for agent in agents:
+        body = payload(wf, agent, "fullshared", segments(agent, outputs, AGENTS[agent], question=context), output_len)
+        body["sampling_params"]["ignore_eos"] = True
+        r = stream_generate(session, server.url, body, timeout=1800)
+        meta = r["meta"]
+        n = meta.get("completion_tokens", output_len)
+        turns.append({"agent": agent, "text": r["text"], "ttft_s": r["ttft_s"],
+                      "decode_tok_s": (n - 1) / max(r["e2e_s"] - r["ttft_s"], 1e-9),
+                      "inject_ms": meta["kvshare"].get("inject_ms"), "view_tokens": meta["kvshare"]["view_tokens"],
+                      "injected_tokens": meta["kvshare"]["injected_tokens"],
+                      "prompt_tokens": meta["kvshare"]["prompt_tokens"]})
+        outputs[agent] = r["text"]
+    return {"turns": turns, "tree_tokens": settle(server)["tree_tokens"]}
+
+
+def run_mode(mode: str, contexts: list[str], agents: list[str], output_len: int, log_dir: Path, bar) -> list[dict]:
+    bar.set_description(f"views {mode}: starting server")
+    server = Server(["-m", "sglang_kvshare.launch_server", "--kvshare-kv-views", mode],
+                    log_dir / f"views-{mode}.log", timeout=900)
+    try:
+        with requests.Session() as session:
+            runs = []
+            for k, context in enumerate(contexts):
+                bar.set_description(f"views {mode}: workflow {k + 1}/{len(contexts)}" + (" (warm-up)" if k == 0 else ""))
+                runs.append(workflow(server, session, context, f"views-{mode}-{k}", agents, output_len))
+                bar.update()
+    finally:
+        server.stop()
+    return runs[1:]  # the first warms the engine
+
+
+def summarise(runs: list[dict]) -> dict:
+    later = [t for r in runs for t in r["turns"][1:]]
+    med = statistics.median
+    return {
+        "tree_tokens_per_workflow": med(r["tree_tokens"] for r in runs),
+        "inject_ms_per_later_agent": med(t["inject_ms"] for t in later),
+        "later_ttft_s": med(t["ttft_s"] for t in later),
+        "later_decode_tok_s": med(t["decode_tok_s"] for t in later),
+        "view_tokens_per_workflow": med(sum(t["view_tokens"] for t in r["turns"]) for r in runs),
+        "injected_tokens_per_workflow": med(sum(t["injected_tokens"] for t in r["turns"]) for r in runs),
+    }
+
+
+def markdown(res: dict) -> str:
+    s, rows = res["summary"], [
+        ("KV tokens the tree holds per finished workflow", "tree_tokens_per_workflow", "{:.0f}"),
+        ("tokens read through a view per workflow", "view_tokens_per_workflow", "{:.0f}"),
+        ("injection time per later agent, ms (scheduler)", "inject_ms_per_later_agent", "{:.2f}"),
+        ("later-agent TTFT, s", "later_ttft_s", "{:.3f}"),
+        ("later-agent decode, tokens/s", "later_decode_tok_s", "{:.1f}"),
+    ]
+    lines = [f"KV views vs copy mode: {res['config']}", "",
+             "| median | views on | copy mode | views / copy |", "|---|---:|---:|---:|"]
+    for label, key, fmt in rows:
+        on, off = s["on"][key], s["off"][key]
+        ratio = f"{on / off:.3f}" if off else "-"
+        lines.append(f"| {label} | {fmt.format(on)} | {fmt.format(off)} | {ratio} |")
+    lines += ["", f"greedy outputs identical in both modes: {res['identical_outputs']} of {res['outputs']}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=2048, help="shared context tokens")
+    ap.add_argument("--agents", type=int, default=4, choices=range(2, len(AGENTS) + 1))
+    ap.add_argument("--workflows", type=int, default=6, help="measured workflows per mode (one more warms up)")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("results/kv_views.json"))
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from sglang_kvshare.assets import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model())
+    contexts = [make_context(tok, args.context, f"views-{k}") for k in range(args.workflows + 1)]
+    agents = list(AGENTS)[-args.agents:]
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as logs, tqdm(total=2 * len(contexts)) as bar:
+        runs = {mode: run_mode(mode, contexts, agents, args.output_len, Path(logs), bar) for mode in ("on", "off")}
+    texts = {m: [t["text"] for r in runs[m] for t in r["turns"]] for m in runs}
+    res = {
+        "config": {**vars(args), "out": str(args.out), "machine": platform.platform(), "minutes": None},
+        "summary": {m: summarise(runs[m]) for m in runs},
+        "identical_outputs": sum(a == b for a, b in zip(texts["on"], texts["off"])),
+        "outputs": len(texts["on"]),
+        "runs": runs,
+    }
+    res["config"]["minutes"] = round((time.time() - t0) / 60, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(res) + "\n")
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
