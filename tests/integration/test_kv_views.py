@@ -86,3 +86,18 @@ def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):
     assert state["tree_tokens"] == 0 and state["shared_slot_refs"] == 0 and state["view_slots"] == 0
     again = tiny_server.generate(payload(base + "-2", "solver", "fullshared", segments("solver", {}), 4))
     assert again.status_code == 200
+
+
+def test_soak_with_evictions_leaks_no_slot(tmp_path, tiny_model):
+    """The soak benchmark's short version: 100 requests, mixed methods, clients that leave, a
+    pool small enough that sources are evicted under their readers."""
+    from benchmarks.kv_views_soak import check, soak
+
+    server = kvshare_server(tiny_model, tmp_path / "server.log", "--max-total-tokens", "3000")
+    try:
+        res = soak(server.url, 100, seed=1)
+        assert server.proc.poll() is None, server.log_tail()
+    finally:
+        server.stop()
+    assert check(res) == [], res
+    assert res["ok"] >= 70 and res["left"] >= 1, res

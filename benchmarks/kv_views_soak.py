@@ -1,0 +1,120 @@
+"""Soak of KV views: many annotated requests, mixed methods, clients that leave mid-generation,
+evictions under a small KV pool; afterwards no slot may be leaked or freed twice.
+
+Workflows of 3 agents (one shared question per workflow, earlier outputs shared) run 4 at a time;
+each workflow draws its method (fullshared reads views; nonshared, kvcmas and cacheblend share the
+same tree and pool), and every 7th request's client gives up after 1 s. The server runs with views
+on (the default) and a small ``--max-total-tokens``, so sources are evicted while readers hold
+views. SGLang's strict idle check (available + evictable + protected == total) runs whenever the
+server idles and stops it on a mismatch. At the end the tree is flushed and ``/server_info`` must
+show no shared reference, no marked slot, no double free and an empty tree; the server's RSS is
+sampled every ``--every`` requests (it should stay flat after the warm-up).
+
+    python -m benchmarks.kv_views_soak                        # 1,000 requests, the default SmolLM2
+    python -m benchmarks.kv_views_soak --requests 100 --max-total-tokens 3000
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import requests
+from tqdm import tqdm
+
+from benchmarks.serving import find_server_pid, tree_rss_mb
+from tests.integration.workflow_helpers import QUESTION, flush_cache, payload, segments, settle
+
+METHODS = ("fullshared", "fullshared", "nonshared", "kvcmas", "cacheblend")
+AGENTS = ("solver", "critic", "final")
+
+
+def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
+    """Agents in sequence; returns each request's outcome (HTTP status, or 'left')."""
+    method = rng.choice(METHODS)
+    question = f"Case {k}. " + QUESTION[: rng.randrange(200, len(QUESTION))]
+    outputs, outcomes = {}, []
+    for agent in AGENTS:
+        i = next(counter)
+        body = payload(f"soak-{k}", agent, method, segments(agent, outputs, question=question), rng.choice((4, 16, 64)))
+        try:
+            r = requests.post(url + "/generate", json=body, timeout=1 if i % 7 == 0 else 600)
+        except requests.exceptions.Timeout:
+            outcomes.append("left")
+            continue
+        outcomes.append(r.status_code)
+        if r.status_code == 200 and r.json()["text"]:
+            outputs[agent] = r.json()["text"]
+    return outcomes
+
+
+def soak(url: str, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0,
+         pid: Optional[int] = None, bar=None) -> dict:
+    """Run about ``n_requests`` requests against ``url``; returns outcomes, RSS samples and the
+    final ``kvshare`` state (after a flush)."""
+    counter = itertools.count()
+    workflows = -(-n_requests // len(AGENTS))
+    outcomes, rss = [], []
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(one_workflow, url, k, counter, random.Random(seed * 100003 + k)) for k in range(workflows)]
+        for k, f in enumerate(futures):
+            outcomes += f.result()
+            if bar is not None:
+                bar.update(len(AGENTS))
+            if pid is not None and (k + 1) * len(AGENTS) % every < len(AGENTS):
+                rss.append(tree_rss_mb(pid))
+    server = type("S", (), {"url": url})
+    flush_cache(server)
+    state = settle(server)
+    return {"requests": len(outcomes), "ok": outcomes.count(200), "left": outcomes.count("left"),
+            "other": [o for o in outcomes if o not in (200, "left")], "rss_mb": rss, "state": state}
+
+
+def check(res: dict) -> list[str]:
+    """What is wrong after a soak (empty: nothing)."""
+    s = res["state"]
+    problems = [f"{k} = {s.get(k)}" for k in ("double_frees", "shared_slot_refs", "view_slots", "tree_tokens", "view_tokens")
+                if s.get(k) != 0]
+    if res["other"]:
+        problems.append(f"unexpected responses: {res['other'][:5]}")
+    return problems
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--max-total-tokens", type=int, default=4096)
+    ap.add_argument("--every", type=int, default=100, help="RSS sample interval, requests")
+    ap.add_argument("--out", type=Path, default=Path("results/kv_views_soak.json"))
+    args = ap.parse_args(argv)
+    from tests.integration.server import kvshare_server
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as logs:
+        from sglang_kvshare.assets import ensure_default_model
+
+        server = kvshare_server(ensure_default_model(), Path(logs) / "soak.log", "--max-total-tokens",
+                                str(args.max_total_tokens), timeout=900)
+        try:
+            with tqdm(total=args.requests, desc="soak") as bar:
+                res = soak(server.url, args.requests, args.every, pid=find_server_pid(server.url), bar=bar)
+        finally:
+            server.stop()
+    res["minutes"] = round((time.time() - t0) / 60, 1)
+    res["problems"] = check(res)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "state"}, indent=1))
+    if res["problems"]:
+        raise SystemExit("soak failed: " + "; ".join(res["problems"]))
+
+
+if __name__ == "__main__":
+    main()
