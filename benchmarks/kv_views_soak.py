@@ -55,10 +55,11 @@ def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
     return outcomes
 
 
-def soak(url: str, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0,
+def soak(server, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0,
          pid: Optional[int] = None, bar=None) -> dict:
-    """Run about ``n_requests`` requests against ``url``; returns outcomes, RSS samples and the
-    final ``kvshare`` state (after a flush)."""
+    """Run about ``n_requests`` requests against ``server`` (a ``tests.integration.server.Server``);
+    returns outcomes, RSS samples and the final ``kvshare`` state (after a flush)."""
+    url = server.url
     counter = itertools.count()
     workflows = -(-n_requests // len(AGENTS))
     outcomes, rss = [], []
@@ -70,7 +71,6 @@ def soak(url: str, n_requests: int, every: int = 100, concurrency: int = 4, seed
                 bar.update(len(AGENTS))
             if pid is not None and (k + 1) * len(AGENTS) % every < len(AGENTS):
                 rss.append(tree_rss_mb(pid))
-    server = type("S", (), {"url": url})
     flush_cache(server)
     state = settle(server)
     return {"requests": len(outcomes), "ok": outcomes.count(200), "left": outcomes.count("left"),
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
                                 str(args.max_total_tokens), timeout=900)
         try:
             with tqdm(total=args.requests, desc="soak") as bar:
-                res = soak(server.url, args.requests, args.every, pid=find_server_pid(server.url), bar=bar)
+                res = soak(server, args.requests, args.every, pid=find_server_pid(server.url), bar=bar)
         finally:
             server.stop()
     res["minutes"] = round((time.time() - t0) / 60, 1)

@@ -95,7 +95,7 @@ def test_soak_with_evictions_leaks_no_slot(tmp_path, tiny_model):
 
     server = kvshare_server(tiny_model, tmp_path / "server.log", "--max-total-tokens", "3000")
     try:
-        res = soak(server.url, 100, seed=1)
+        res = soak(server, 100, seed=1)
         assert server.proc.poll() is None, server.log_tail()
     finally:
         server.stop()

@@ -35,8 +35,8 @@ class KVShareRadixCache(RadixCache):
     plugin's session; ``released(tree, req, checkpointed)`` runs after SGLang's own release."""
 
     def __init__(self, params, session, released: Callable) -> None:
+        self.session = session  # before the stock constructor, which calls ``reset``
         super().__init__(params)
-        self.session = session
         self.released = released
 
     def find_source(self, rec: SourceRecord, num_tokens: int):
@@ -96,7 +96,7 @@ class KVShareRadixCache(RadixCache):
 
     def reset(self):
         super().reset()
-        if getattr(self, "session", None) is not None and self.session.views is not None:
+        if self.session.views is not None:
             self.session.views.clear()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
