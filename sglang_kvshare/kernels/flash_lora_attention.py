@@ -12,7 +12,10 @@ and the epilogue adds ``acc_lr @ B_v[j, :, g*D:(g+1)*D]`` (the B projection), so
 ``LR_j B_v`` is never formed. With a key LR cache (QKVO adapters) each key tile gets
 ``cos * (LR^K B^K) + sin * (LR^K rotate_half(B^K))`` = ``RoPE(LR^K B^K)`` at the keys' positions
 (position = index of the key within its request) before the scores: rotate_half acts on B's
-columns, so both products stay rank r.
+columns, so both products stay rank r. With a key shift (KV views: a key read in the slot of
+another request, where it carries RoPE ``shift`` positions earlier) each key is turned by
+``cos(shift) * k + sin(shift) * rotate_half(k)`` as it is loaded, from a table of the batch's
+shifts; the queries and the online softmax are untouched.
 
 Layouts (last dim contiguous):
     q        [Tq, Hq, D]               new queries of all requests, concatenated
@@ -21,6 +24,7 @@ Layouts (last dim contiguous):
     lr_buf   [S, n_agents, r_max]      value LR cache of one layer (``LRCache.buffers[layer]``)
     B_v      [n_agents, r_max, Hkv*D]  stacked value B factors (zero rows beyond an agent's rank)
     kv_indices [sum kv_len] int        KV slots of each request's tokens, in order
+    key_shift  [sum kv_len] int        optional (``KeyShift``), aligned with kv_indices
     qo_indptr, kv_indptr [B + 1] int   request offsets into q / kv_indices
     agent    [B] int                   LR column of each request's agent; -1: base model
     out      [Tq, Hq, D]               dtype of q
@@ -34,6 +38,7 @@ import torch
 
 from sglang_kvshare.kernels.flash_lora_torch import (  # noqa: F401 - public here too
     KeyLR,
+    KeyShift,
     flash_lora_attention_reference,
     flash_lora_attention_sdpa,
 )
@@ -54,15 +59,15 @@ if HAS_TRITON:
     def _flash_lora_attention_kernel(
         Q, K, V, LR, BV, O,
         KV_IDX, QO_INDPTR, KV_INDPTR, AGENT,
-        LRK, BK, COS, SIN,
+        LRK, BK, COS, SIN, SHIFT, SCOS, SSIN, shift_lo,
         sm_scale,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_lrt, stride_lra, stride_ba, stride_br, stride_ot, stride_oh,
-        stride_lkt, stride_lka, stride_bka, stride_bkr, stride_cs,
+        stride_lkt, stride_lka, stride_bka, stride_bkr, stride_cs, stride_ss,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, RANK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_LR: tl.constexpr,
-        HAS_KEY_LR: tl.constexpr, PRECISION: tl.constexpr,
+        HAS_KEY_LR: tl.constexpr, HAS_SHIFT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -91,10 +96,10 @@ if HAS_TRITON:
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
             acc_lr = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            half: tl.constexpr = HEAD_DIM // 2
+            rot_d = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half's gather
+            sign = tl.where(offs_d < half, -1.0, 1.0)
             if HAS_KEY_LR:
-                half: tl.constexpr = HEAD_DIM // 2
-                rot_d = tl.where(offs_d < half, offs_d + half, offs_d - half)
-                sign = tl.where(offs_d < half, -1.0, 1.0)
                 rd_mask = r_mask[:, None] & d_mask[None, :]
                 bk_base = BK + agent_c * stride_bka + offs_r[:, None] * stride_bkr + g * HEAD_DIM
                 # bk, bk_rh: [BLOCK_R, BLOCK_D]; bk_rh = rotate_half(B^K) along D
@@ -112,6 +117,14 @@ if HAS_TRITON:
                 # k: [BLOCK_N, BLOCK_D]
                 k = tl.load(K + slot[:, None] * stride_kt + g * stride_kh + offs_d[None, :],
                             mask=nd_mask, other=0.0).to(tl.float32)
+                if HAS_SHIFT:
+                    # the key turned by its shift: cos * k + sin * rotate_half(k)
+                    row = tl.load(SHIFT + kv_beg + offs_n, mask=n_mask, other=shift_lo) - shift_lo
+                    cs = row[:, None] * stride_ss + offs_d[None, :]
+                    k_rh = tl.load(K + slot[:, None] * stride_kt + g * stride_kh + rot_d[None, :],
+                                   mask=nd_mask, other=0.0).to(tl.float32) * sign[None, :]
+                    k = k * tl.load(SCOS + cs, mask=nd_mask, other=0.0) + k_rh * tl.load(
+                        SSIN + cs, mask=nd_mask, other=0.0)
                 if HAS_KEY_LR:
                     # lrk: [BLOCK_N, BLOCK_R]; key delta RoPE(lrk @ B^K) at positions offs_n
                     lrk = tl.load(LRK + slot[:, None] * stride_lkt + agent_c * stride_lka
@@ -157,9 +170,10 @@ if HAS_TRITON:
                      acc.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def rope_tables(rope: RopeSpec, max_pos: int, device) -> tuple:
-    """(cos, sin) [max_pos, D] float32, neox layout (``cat(f, f)``), for positions 0..max_pos-1."""
-    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * rope.inv_freq.double()[None, :]
+def rope_tables(rope: RopeSpec, max_pos: int, device, start: int = 0) -> tuple:
+    """(cos, sin) [max_pos, D] float32, neox layout (``cat(f, f)``), for positions start ..
+    start + max_pos - 1 (float64 angles)."""
+    ang = torch.arange(start, start + max_pos, dtype=torch.float64)[:, None] * rope.inv_freq.double()[None, :]
     ang = torch.cat((ang, ang), dim=-1)
     return ang.cos().float().to(device), ang.sin().float().to(device)
 
@@ -181,6 +195,7 @@ def flash_lora_attention_triton(
     scale: Optional[float] = None,
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
+    key_shift: Optional[KeyShift] = None,
     max_q_len: Optional[int] = None,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -225,6 +240,15 @@ def flash_lora_attention_triton(
         cos, sin = rope_tables(rope, max(1, max_kv), q.device)
         lk_strides, bk_strides, cs_stride = (lrk.stride(0), lrk.stride(1)), (
             bk.stride(0), bk.stride(1)), cos.stride(0)
+    shift, scos, ssin, shift_lo = dummy, dummy, dummy, 0
+    if key_shift is not None:
+        shift, rope = key_shift
+        assert rope.is_neox and rope.rotary_dim == D, "kernel supports neox RoPE over all of D"
+        assert shift.shape == kv_indices.shape, "key_shift.shift must align with kv_indices"
+        shift = shift.to(device=q.device, dtype=torch.int32).contiguous()
+        shift_lo = int(shift.min().item()) if shift.numel() else 0
+        hi = int(shift.max().item()) if shift.numel() else 0
+        scos, ssin = rope_tables(rope, hi - shift_lo + 1, q.device, start=shift_lo)
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if num_req else 0
     out = torch.empty_like(q)
@@ -238,16 +262,16 @@ def flash_lora_attention_triton(
     _flash_lora_attention_kernel[grid](
         q, k_buf, v_buf, lr_t, bv_t, out,
         kv_indices, qo_indptr, kv_indptr, agent,
-        lrk, bk, cos, sin,
+        lrk, bk, cos, sin, shift, scos, ssin, shift_lo,
         D ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
         lr_t.stride(0), lr_t.stride(1), bv_t.stride(0), bv_t.stride(1),
         out.stride(0), out.stride(1),
-        *lk_strides, *bk_strides, cs_stride,
+        *lk_strides, *bk_strides, cs_stride, scos.stride(0) if key_shift is not None else 0,
         GROUP=Hq // Hkv, HEAD_DIM=D, RANK=rank,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(D), BLOCK_R=_next_pow2(rank),
-        CAUSAL=causal, HAS_LR=has_lr, HAS_KEY_LR=key_lr is not None,
+        CAUSAL=causal, HAS_LR=has_lr, HAS_KEY_LR=key_lr is not None, HAS_SHIFT=key_shift is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
@@ -255,7 +279,7 @@ def flash_lora_attention_triton(
 
 def flash_lora_attention_paged(*args, **kwargs) -> torch.Tensor:
     """Dispatcher: the Triton kernel for CUDA tensors, the torch SDPA path elsewhere (value and
-    key LR)."""
+    key LR, key shifts)."""
     q = args[0] if args else kwargs["q"]
     if HAS_TRITON and q.is_cuda:
         return flash_lora_attention_triton(*args, **kwargs)

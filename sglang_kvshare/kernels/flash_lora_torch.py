@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from sglang_kvshare.lora_cache.attention import expand_key_lr, flash_lora_attention
-from sglang_kvshare.rope.align import RopeSpec, rotate
+from sglang_kvshare.rope.align import RopeSpec, rotate, shift_keys
 
 
 class KeyLR(NamedTuple):
@@ -19,6 +19,20 @@ class KeyLR(NamedTuple):
     lr_k_buf: torch.Tensor
     B_k: torch.Tensor
     rope: RopeSpec
+
+
+class KeyShift(NamedTuple):
+    """KV views: ``shift`` [sum kv_len] int, aligned with kv_indices: the key in that slot carries
+    RoPE ``shift`` positions earlier than the request reads it (0: at its own position); rope
+    (neox, rotary_dim == head_dim for the kernel). Each key is turned by +shift before scoring."""
+
+    shift: torch.Tensor
+    rope: RopeSpec
+
+
+def _keys(k_buf: torch.Tensor, slots: torch.Tensor, k0: int, k1: int, key_shift: Optional[KeyShift]):
+    k = k_buf[slots]
+    return k if key_shift is None else shift_keys(k, key_shift.shift[k0:k1], key_shift.rope)
 
 
 def flash_lora_attention_reference(
@@ -34,6 +48,7 @@ def flash_lora_attention_reference(
     scale: Optional[float] = None,
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
+    key_shift: Optional[KeyShift] = None,
     **_unused,
 ) -> torch.Tensor:
     """Torch reference of ``flash_lora_attention_triton`` (same contract): gathers each request's
@@ -51,7 +66,7 @@ def flash_lora_attention_reference(
             j = 0
         lr = lr_buf[slots, j] if (lr_buf is not None and j >= 0) else None
         bv = B_v[j] if lr is not None else None
-        k = k_buf[slots]
+        k = _keys(k_buf, slots, k0, k1, key_shift)
         if key_lr is not None and j >= 0:
             pos = torch.arange(k.shape[0], device=k.device)
             k = k.float() + expand_key_lr(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], k.shape[1],
@@ -73,6 +88,7 @@ def flash_lora_attention_sdpa(
     scale: Optional[float] = None,
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
+    key_shift: Optional[KeyShift] = None,
     **_unused,
 ) -> torch.Tensor:
     """Torch serving path (same contract as the kernel): per request one
@@ -80,7 +96,7 @@ def flash_lora_attention_sdpa(
     channels, so it yields ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is then added per
     query head (GQA: KV head g's columns of B). With ``key_lr`` an adapted request's keys are
     ``K_base + RoPE(LR_k B_k)``, the delta rotated at each key's index in its request
-    (``rotate_key_delta``). Runs in q.dtype."""
+    (``rotate_key_delta``); with ``key_shift`` the base keys are turned first. Runs in q.dtype."""
     import torch.nn.functional as F
 
     out = torch.empty_like(q)
@@ -96,7 +112,7 @@ def flash_lora_attention_sdpa(
             continue
         slots = kv_indices[k0:k1].long()
         qi = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
-        k = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
+        k = _keys(k_buf, slots, k0, k1, key_shift).transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
         v = v_buf[slots].transpose(0, 1).to(q.dtype)
         j = -1 if lr_buf is None else (0 if agent is None else int(agent[b]))
         if key_lr is not None and j >= 0:

@@ -131,6 +131,37 @@ def test_triton_key_lr_matches_reference():
                                atol=ATOL, rtol=1e-5)
 
 
+def _views_batch(key_lr=False):
+    """A batch whose requests read spans in other requests' slots (KV views): the pool holds the
+    keys with RoPE ``shift`` positions earlier than the requests read them. Returns the batch
+    with the keys as a copy would hold them, the pool as views hold it, and the per-key shifts."""
+    args, kw = _batch([6, 1], [30, 17], seed=5, key_lr=key_lr)
+    q, k_true, v_buf, kv_indices, qo_indptr, kv_indptr = args
+    shift = torch.zeros(kv_indices.shape, dtype=torch.int64)
+    shift[4:20], shift[20:30], shift[33:45] = 37, -250, 1000  # request 0: two spans; request 1: one
+    rope = RopeSpec(inv_freq_for(D, 100000.0), D, is_neox=True)
+    k_cached = k_true.clone()
+    k_cached[kv_indices.long()] = shift_keys(k_true[kv_indices.long()], -shift, rope)
+    return args, (q, k_cached, v_buf, kv_indices, qo_indptr, kv_indptr), fla.KeyShift(shift, rope), kw
+
+
+@kernel_test
+@pytest.mark.parametrize("key_lr", [False, True], ids=["value-lr", "key-and-value-lr"])
+def test_triton_key_shift_equals_attention_over_rerotated_copies(key_lr):
+    copies, views, key_shift, kw = _views_batch(key_lr)
+    agent = torch.tensor([1, 0], dtype=torch.int32)
+    ref = fla.flash_lora_attention_reference(*copies, agent=agent, **kw)
+    out = fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, **kw)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+    for path in (fla.flash_lora_attention_reference, fla.flash_lora_attention_sdpa):
+        torch.testing.assert_close(path(*views, agent=agent, key_shift=key_shift, **kw), ref, atol=ATOL, rtol=1e-5)
+    # negative control: the views' keys without their shifts attend to something else
+    assert (fla.flash_lora_attention_triton(*views, agent=agent, **kw) - ref).abs().max() > 1e-3
+    # base-model requests (no LR) take the shift too
+    base = fla.flash_lora_attention_triton(*views, key_shift=key_shift)
+    torch.testing.assert_close(base, fla.flash_lora_attention_reference(*copies), atol=ATOL, rtol=1e-5)
+
+
 @kernel_test
 def test_dispatcher_uses_reference_on_cpu():
     args, kw = _batch([2], [4], seed=2)
