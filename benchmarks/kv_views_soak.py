@@ -108,6 +108,8 @@ def main(argv=None) -> None:
         finally:
             server.stop()
     res["minutes"] = round((time.time() - t0) / 60, 1)
+    if len(res["rss_mb"]) >= 3:  # after the first sample (the warm-up): growth to the last one
+        res["rss_growth_after_warmup_mb"] = round(res["rss_mb"][-1] - res["rss_mb"][1], 1)
     res["problems"] = check(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))

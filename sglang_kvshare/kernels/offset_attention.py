@@ -4,75 +4,151 @@ A KV view (one copy of a shared context): a later agent reads a shared span in t
 slots in place, where the keys carry RoPE at the source's positions n' = n - d rather than at
 the request's n. RoPE is relative, so a query at position m, turned back by d, scores a cached
 key as the re-rotated copy would:  (R_{m-d} q) . (R_{n-d} k) = (R_m q) . (R_n k).
-The request's keys fall into groups of one shift d each (0 for its own slots); each group is
-attended with its own turned query, and the groups are merged by their log-sum-exp (split-KV
-attention, as ``kernels.split_decode``). Plain torch, the reference of a GPU kernel.
 
-- ``offset_decode_attention``: one decode query over (``SlotRuns``, shift) parts.
-- ``offset_extend_attention``: an extend's queries over gathered keys with a per-key shift and
-  the causal mask by the request's positions.
+A request's keys are planned once per forward (``key_plan``), as ``split_decode`` plans its
+runs: long contiguous runs of one shift are attended in the pool with the query turned back by
+the shift (no gather, no per-key work), and the other keys (short spans, decode tokens) are
+gathered and each turned forward by its own shift, so they cost one attention call together.
+The pieces are merged by their log-sum-exp (split-KV attention). Plain torch, the reference of
+a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_attention``).
+
+- ``offset_decode_attention``: one decode query over a ``KeyPlan``.
+- ``offset_extend_attention``: an extend's queries over a request's slots: the keys before the
+  first query (every query sees them) by their plan, the rest gathered under the causal mask.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from sglang_kvshare.kernels.split_decode import SlotRuns, decode_pieces, merge_pieces
-from sglang_kvshare.rope.align import RopeSpec, shift_keys
+from sglang_kvshare.kernels.split_decode import MIN_RUN, merge_pieces
+from sglang_kvshare.rope.align import RopeSpec, rotate
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def turn(q: torch.Tensor, shift: int, rope: RopeSpec) -> torch.Tensor:
-    """Queries [T, H, D] (or one [H, D]) turned by ``shift`` positions (RoPE), same shape."""
-    if shift == 0:
-        return q
-    if q.dim() == 2:
-        return shift_keys(q.unsqueeze(0), shift, rope)[0]
-    return shift_keys(q, shift, rope)
+class KeyPlan(NamedTuple):
+    """A request's keys for attention in place: ``runs`` (first slot, length, shift), each
+    contiguous and of one shift, and ``q_turn``: per shift of a run, (cos, sin) [1, rotary_dim
+    // 2] turning the query back by it; ``rest``: the other slots (gathered) and ``rest_turn``:
+    (cos, sin) [len(rest), rotary_dim // 2] turning each of them forward by its shift (None:
+    none is shifted)."""
+
+    runs: list
+    q_turn: dict
+    rest: Optional[torch.Tensor]
+    rest_turn: Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _turn_tables(shifts: torch.Tensor, rope: RopeSpec) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    if not bool(shifts.any()):
+        return None
+    ang = shifts.to(torch.float64)[:, None] * rope.inv_freq.to(torch.float64)[None, :]  # float64, as shift_keys
+    return ang.cos().float().to(shifts.device), ang.sin().float().to(shifts.device)
+
+
+def _turned(k: torch.Tensor, tables, rope: RopeSpec) -> torch.Tensor:
+    """Gathered keys k [n, H, D] each turned by its row of ``tables`` (None: unchanged)."""
+    if tables is None:
+        return k
+    turned = rotate(k, *tables, rope).to(k.dtype)
+    return turned if rope.rotary_dim == k.shape[-1] else torch.cat((turned, k[..., rope.rotary_dim :]), dim=-1)
+
+
+def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN) -> KeyPlan:
+    """Plan the keys in ``slots`` [n] (int) whose RoPE is ``shifts`` [n] positions earlier than
+    the request reads them: runs of >= ``min_run`` slots, the rest with its turn tables."""
+    n = slots.numel()
+    if n == 0:
+        return KeyPlan([], {}, None, None)
+    breaks = torch.nonzero((slots[1:] - slots[:-1] != 1) | (shifts[1:] != shifts[:-1])).flatten() + 1
+    bounds = [0, *breaks.tolist(), n]
+    runs, rest = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - a >= min_run:
+            runs.append((int(slots[a]), b - a, int(shifts[a])))
+        else:
+            rest.append(torch.arange(a, b, device=slots.device))
+    q_turn = {d: _turn_tables(torch.tensor([-d], device=slots.device), rope) for d in {d for *_, d in runs}}
+    if not rest:
+        return KeyPlan(runs, q_turn, None, None)
+    idx = torch.cat(rest)
+    return KeyPlan(runs, q_turn, slots[idx], _turn_tables(shifts[idx], rope))
+
+
+def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float,
+                rope: RopeSpec) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(outputs, log-sum-exps) of queries q [T, Hq, D] that see every key of ``plan`` in
+    k_cache / v_cache [rows, Hkv, D], per piece [1, Hkv, T * G, Dv] and [1, Hkv, T * G] (rows
+    (t, g): KV head h's G query heads of token t), for ``merge_pieces``."""
+    T, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+
+    def rows(x):
+        if T == 1:
+            return x.view(1, Hkv, Hq // Hkv, D)
+        return x.reshape(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
+
+    turned: dict = {}
+    pieces = []
+    for s, n, shift in plan.runs:
+        if shift not in turned:
+            turned[shift] = rows(_turned(q, plan.q_turn[shift], rope))
+        pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n]))
+    if plan.rest is not None:
+        pieces.append((rows(q), _turned(k_cache[plan.rest], plan.rest_turn, rope), v_cache[plan.rest]))
+    outs, lses = [], []
+    for qg, k, v in pieces:
+        o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
+        outs.append(o)
+        lses.append(lse)
+    return outs, lses
+
+
+def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:
+    """Merged rows [1, Hkv, T * G, Dv] back to [T, Hq, Dv]."""
+    Hkv = out.shape[1]
+    return out.view(Hkv, T, Hq // Hkv, -1).permute(1, 0, 2, 3).reshape(T, Hq, -1)
 
 
 def offset_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, parts: Sequence[Tuple[SlotRuns, int]],
-    scale: float, rope: RopeSpec,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float, rope: RopeSpec,
 ) -> torch.Tensor:
-    """One decode query q [Hq, D] over ``parts``, each (slots, shift d: the request reads those
-    slots d positions later than their keys were rotated for): [Hq, Dv], equal to SDPA over the
-    gathered slots with each part's keys turned by +d."""
-    outs: List[torch.Tensor] = []
-    lses: List[torch.Tensor] = []
-    for runs, shift in parts:
-        o, lse = decode_pieces(turn(q, -shift, rope), k_cache, v_cache, runs, scale)
-        outs += o
-        lses += lse
-    return merge_pieces(outs, lses, q.dtype).reshape(q.shape[0], -1)
+    """One decode query q [Hq, D] over the keys of ``plan``: [Hq, Dv], equal to SDPA over the
+    gathered slots with each key turned by +its shift."""
+    outs, lses = plan_pieces(q.unsqueeze(0), k_cache, v_cache, plan, scale, rope)
+    return _heads(merge_pieces(outs, lses, q.dtype), 1, q.shape[0])[0]
 
 
 def offset_extend_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shifts: torch.Tensor, q_pos: torch.Tensor,
-    scale: float, rope: RopeSpec,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, shifts: torch.Tensor,
+    q_pos: torch.Tensor, scale: float, rope: RopeSpec, before: Optional[KeyPlan] = None,
 ) -> torch.Tensor:
     """Causal attention of an extend's queries q [T, Hq, D] (at the request's positions
-    ``q_pos`` [T]) over a request's gathered keys and values k, v [kv, Hkv, D] (key i at the
-    request's position i, its RoPE ``shifts[i]`` positions earlier): [T, Hq, Dv], equal to SDPA
-    over the keys turned by +shifts[i] under the mask key position <= query position."""
+    ``q_pos`` [T]) over a request's keys: ``slots`` [kv] in k_cache / v_cache, key i at the
+    request's position i with RoPE ``shifts[i]`` positions earlier. [T, Hq, Dv], equal to SDPA
+    over the keys turned by +shifts[i] under the mask key position <= query position.
+
+    The keys before the first query are seen by every query: they are attended by their plan
+    (``before``: ``key_plan`` of them, e.g. kept for the other layers). The rest are gathered,
+    turned, and masked by position."""
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    k_pos = torch.arange(k.shape[0], device=q.device)
-    outs, lses = [], []
-    for shift in torch.unique(shifts).tolist():
-        sel = torch.nonzero(shifts == shift).flatten()
-        qs = turn(q, -int(shift), rope)
-        # KV head h's query heads as rows (t, g) of that head; the mask row repeats per g
-        qg = qs.view(T, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, T * G, D)
-        seen = (k_pos[sel][None, :] <= q_pos[:, None]).repeat_interleave(G, 0)  # [T * G, n]
+    Hkv = k_cache.shape[1]
+    lo = int(q_pos.min())
+    if before is None:
+        before = key_plan(slots[:lo], shifts[:lo], rope)
+    outs, lses = plan_pieces(q, k_cache, v_cache, before, scale, rope)
+    tail = slots[lo:]
+    if tail.numel():
+        k = _turned(k_cache[tail], _turn_tables(shifts[lo:], rope), rope)
+        seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
+        seen = seen.repeat_interleave(Hq // Hkv, 0)  # rows (t, g)
         mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, k[sel].movedim(0, 1).unsqueeze(0), v[sel].movedim(0, 1).unsqueeze(0),
-            attn_mask=mask, scale=scale,
-        )[:2]
+        qg = q.view(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
+        o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v_cache[tail].movedim(0, 1).unsqueeze(0),
+                        attn_mask=mask, scale=scale)[:2]
         outs.append(o)
         lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key
-    out = merge_pieces(outs, lses, q.dtype)  # [1, Hkv, T * G, Dv]
-    return out.view(Hkv, T, G, -1).permute(1, 0, 2, 3).reshape(T, Hq, -1)
+    return _heads(merge_pieces(outs, lses, q.dtype), T, Hq)

@@ -148,15 +148,18 @@ def get_method(name: str) -> MethodSpec:
 
 
 def method_variant(label: str) -> tuple[str, dict]:
-    """A benchmark label ``METHOD[+dense|+rows[N]]`` -> (method, annotation keys): the fallback
-    of a correction method (``+rows64``: ``fallback: rows``, ``fallback_block: 64``; ``+rows``:
-    the server's block size). Plain method names map to themselves."""
+    """A benchmark label ``METHOD[+dense|+rows[N]|+copy]`` -> (method, annotation keys): the
+    fallback of a correction method (``+rows64``: ``fallback: rows``, ``fallback_block: 64``;
+    ``+rows``: the server's block size), or ``+copy``: later agents copy shared segments instead
+    of reading them in place (``kv_views: false``). Plain method names map to themselves."""
     name, _, variant = label.partition("+")
     get_method(name)
     if not variant:
         return name, {}
+    if variant == "copy":
+        return name, {"kv_views": False}
     if variant == "dense":
         return name, {"fallback": "dense"}
     if variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
         return name, {"fallback": "rows", **({"fallback_block": int(variant[4:])} if variant[4:] else {})}
-    raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows or rowsN)")
+    raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN or copy)")

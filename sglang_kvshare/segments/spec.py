@@ -44,6 +44,7 @@ class KVShareAnnotation:
     target_rho: Optional[float] = None
     fallback: Optional[str] = None  # "dense" | "rows" (None: the server's)
     fallback_block: Optional[int] = None
+    kv_views: Optional[bool] = None  # False: copy shared segments even where views run (None: the server's)
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -58,7 +59,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
     known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho",
-             "fallback", "fallback_block"}
+             "fallback", "fallback_block", "kv_views"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -133,6 +134,9 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     block = raw.get("fallback_block")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise AnnotationError(f"kvshare.fallback_block must be an integer >= 1, got {block!r}")
+    kv_views = raw.get("kv_views")
+    if kv_views is not None and not isinstance(kv_views, bool):
+        raise AnnotationError(f"kvshare.kv_views must be true or false, got {kv_views!r}")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -144,6 +148,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         target_rho=None if target_rho is None else float(target_rho),
         fallback=fallback,
         fallback_block=block,
+        kv_views=kv_views,
     )
 
 
@@ -211,6 +216,7 @@ class WireSpec:
     target_rho: Optional[float] = None
     fallback: Optional[str] = None
     fallback_block: Optional[int] = None
+    kv_views: Optional[bool] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
     # ReBaseShared LP: tokens of the earlier turns' adapter-free rebuilds this request waited for

@@ -5,12 +5,14 @@ source's KV slots in place (the tiny server's default) and generate exactly what
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 import requests
 
+from sglang_kvshare.integration.cache.views import MIN_VIEW_TOKENS
 from tests.integration.server import kvshare_server
-from tests.integration.workflow_helpers import flush_cache, payload, segments, settle
+from tests.integration.workflow_helpers import flush_cache, payload, scrape_metrics, segments, settle
 
 AGENTS = ("solver", "critic", "final")
 
@@ -48,16 +50,49 @@ def test_views_generate_as_copy_mode_and_hold_one_copy(tiny_server, copy_server)
     for v, c in zip(runs["views"], runs["copy"]):
         mv, mc = v["meta_info"]["kvshare"], c["meta_info"]["kvshare"]
         assert mv["injected_tokens"] == mc["injected_tokens"]
-        assert mv["view_tokens"] == mv["injected_tokens"] and mc["view_tokens"] == 0
+        # spans of MIN_VIEW_TOKENS or more are read in place (the question), shorter ones copied
+        long_spans = sum(n for seg in mv["segments"] if (n := seg.get("injected_tokens", 0)) >= MIN_VIEW_TOKENS)
+        assert mv["view_tokens"] == long_spans and mc["view_tokens"] == 0
         viewed += mv["view_tokens"]
         assert v["output_ids"] == c["output_ids"]
         lv = [t[0] for t in v["meta_info"]["output_token_logprobs"]]
         lc = [t[0] for t in c["meta_info"]["output_token_logprobs"]]
         assert lv == pytest.approx(lc, abs=1e-4)
-    assert viewed > 500  # the question twice and the outputs
+    assert viewed > 500  # the question, twice
     # the views' slots are the sources': the tree holds them once
     assert grown["views"] == grown["copy"] - viewed
     assert grown["views"] <= 0.5 * grown["copy"]
+
+
+def _gauge(server, name: str) -> float | None:
+    values = [v for (n, _), v in scrape_metrics(server).items() if n == name]
+    return values[0] if values else None
+
+
+def test_tree_and_view_tokens_are_gauges(tiny_server):
+    """``kvshare_view_tokens`` counts a live reader's view while it decodes (SGLang publishes
+    its gauges every 40 decode steps); once idle, ``kvshare_tree_tokens`` is ``/server_info``'s."""
+    flush_cache(tiny_server)
+    first = tiny_server.generate(payload("views-gauges", "solver", "fullshared", segments("solver", {}), 4))
+    assert first.status_code == 200
+    body = payload("views-gauges", "critic", "fullshared", segments("critic", {}), 240)
+    body["sampling_params"]["ignore_eos"] = True
+    with cf.ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(tiny_server.generate, body)
+        seen = set()
+        while not reader.done():
+            seen.add(_gauge(tiny_server, "kvshare_view_tokens"))
+    r = reader.result()
+    assert r.status_code == 200, r.text
+    viewed = r.json()["meta_info"]["kvshare"]["view_tokens"]
+    assert viewed > 100 and viewed in seen, (viewed, seen)
+    tree_tokens = settle(tiny_server)["tree_tokens"]
+    deadline = time.time() + 60  # an idle scheduler republishes once its running count went stale
+    while (_gauge(tiny_server, "kvshare_tree_tokens"), _gauge(tiny_server, "kvshare_view_tokens")) != (
+            tree_tokens, 0) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _gauge(tiny_server, "kvshare_tree_tokens") == tree_tokens > viewed
+    assert _gauge(tiny_server, "kvshare_view_tokens") == 0
 
 
 def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):

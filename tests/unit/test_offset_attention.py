@@ -4,8 +4,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvshare.kernels.offset_attention import offset_decode_attention, offset_extend_attention
-from sglang_kvshare.kernels.split_decode import slot_runs
+from sglang_kvshare.kernels.offset_attention import key_plan, offset_decode_attention, offset_extend_attention
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
 
 D = 16
@@ -32,13 +31,14 @@ def test_extend_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
     k_true, k_cached, v, shifts, q_all = _request(hq, hkv)
     q_pos = torch.arange(650, 700)  # an extend of the last 50 tokens after a 650-token prefix
     q = shift_keys(q_all[650:], q_pos, ROPE)
-    out = offset_extend_attention(q, k_cached, v, shifts, q_pos, D ** -0.5, ROPE)
+    slots = torch.arange(700)
+    out = offset_extend_attention(q, k_cached, v, slots, shifts, q_pos, D ** -0.5, ROPE)
     mask = torch.arange(700)[None, :] <= q_pos[:, None]
     ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=D ** -0.5, enable_gqa=hq != hkv)[0].transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # negative control: the cached keys without their offsets attend to something else
-    plain = offset_extend_attention(q, k_cached, v, torch.zeros_like(shifts), q_pos, D ** -0.5, ROPE)
+    plain = offset_extend_attention(q, k_cached, v, slots, torch.zeros_like(shifts), q_pos, D ** -0.5, ROPE)
     assert (plain - ref).abs().max() > 1e-3
 
 
@@ -46,7 +46,7 @@ def test_extend_with_offsets_keeps_the_causal_mask_inside_a_shifted_span():
     k_true, k_cached, v, shifts, q_all = _request(4, 2, seed=1)
     q_pos = torch.arange(200, 560)  # queries inside both shared spans: some see only part of them
     q = shift_keys(q_all[200:560], q_pos, ROPE)
-    out = offset_extend_attention(q, k_cached[:560], v[:560], shifts[:560], q_pos, D ** -0.5, ROPE)
+    out = offset_extend_attention(q, k_cached, v, torch.arange(560), shifts[:560], q_pos, D ** -0.5, ROPE)
     mask = torch.arange(560)[None, :] <= q_pos[:, None]
     ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true[:560].transpose(0, 1)[None],
                                        v[:560].transpose(0, 1)[None], attn_mask=mask, scale=D ** -0.5,
@@ -64,10 +64,11 @@ def test_decode_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
     k_pool, v_pool = torch.zeros(rows, hkv, D), torch.zeros(rows, hkv, D)
     k_pool[slots], v_pool[slots] = k_cached, v
     q = shift_keys(q_all[699:], torch.tensor([699]), ROPE)[0]  # the decode token at position 699
-    parts = [(slot_runs(slots[shifts == d]), d) for d in (0, 37, -250)]
-    out = offset_decode_attention(q, k_pool, v_pool, parts, D ** -0.5, ROPE)
+    plan = key_plan(slots, shifts, ROPE)
+    assert [(s, n) for s, n, _ in plan.runs] == [(500, 400)] and plan.rest.numel() == 300  # the short span is turned per key
+    out = offset_decode_attention(q, k_pool, v_pool, plan, D ** -0.5, ROPE)
     ref = scaled_dot_product_attention(q[None, :, None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        scale=D ** -0.5, enable_gqa=hq != hkv)[0, :, 0]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    unshifted = offset_decode_attention(q, k_pool, v_pool, [(slot_runs(slots), 0)], D ** -0.5, ROPE)
+    unshifted = offset_decode_attention(q, k_pool, v_pool, key_plan(slots, torch.zeros_like(shifts), ROPE), D ** -0.5, ROPE)
     assert (unshifted - ref).abs().max() > 1e-3

@@ -274,6 +274,7 @@ def test_a_method_variant_label_becomes_annotation_keys():
     assert "fallback_block" not in build_payload(role, segs, "wf", "kvcmas+rows", 4)["kvshare"]
     assert build_payload(role, segs, "wf", "kvcmas+dense", 4)["kvshare"]["fallback"] == "dense"
     assert "fallback" not in build_payload(role, segs, "wf", "kvcmas", 4)["kvshare"]
+    assert build_payload(role, segs, "wf", "fullshared+copy", 4)["kvshare"]["kv_views"] is False
     for bad in ("kvcmas+rowsx", "kvcmas+partial", "nosuch+rows"):
         with pytest.raises(KeyError):
             build_payload(role, segs, "wf", bad, 4)

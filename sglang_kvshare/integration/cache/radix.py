@@ -139,7 +139,7 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
         raise ValueError(
             "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
         )
-    tree = KVShareRadixCache(ctx.params, session, released)
+    tree = session.tree = KVShareRadixCache(ctx.params, session, released)
     allocator = ctx.params.token_to_kv_pool_allocator
     why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")
     if session.args.kv_views == "on" and why_not is None:

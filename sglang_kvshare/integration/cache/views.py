@@ -13,6 +13,10 @@ tree node) then share one physical slot. :class:`KVViews` keeps, per slot of the
   back by n - n' (``kernels.offset_attention``); :meth:`KVViews.offsets` gives those shifts for
   any row of slots, so a later prefix hit on a tree node that holds view slots reads them right.
 
+Spans shorter than ``MIN_VIEW_TOKENS`` are copied (``scheduler/inject.py``): a view of them saves
+little memory, and attention could not read them in place (shorter runs are gathered, and their
+keys would each be turned in every layer and decode step).
+
 The radix tree counts a shared slot once per node that holds it; ``cache/radix.py`` subtracts the
 extra references from its evictable size, so SGLang's accounting (available + evictable +
 protected == total when idle) stays exact.
@@ -26,11 +30,13 @@ from typing import Optional
 import torch
 
 from sglang_kvshare.integration.hookspec import HookSet
+from sglang_kvshare.kernels.split_decode import MIN_RUN
 from sglang_kvshare.rope import RopeSpec, shift_keys
 
 logger = logging.getLogger(__name__)
 
 HOOKS = HookSet()
+MIN_VIEW_TOKENS = MIN_RUN  # shorter shared spans are copied
 
 
 class KVViews:

@@ -6,7 +6,8 @@ sequence to itself. Here the new queries alone attend to the prefix plus themsel
 causal mask shifted by the prefix length. Decode attends each request's long runs of KV slots in
 place instead of gathering them every layer (``kernels.split_decode``); every other case stays stock.
 A request that reads KV views (``cache/views.py``: keys rotated for other positions) is attended
-with its queries turned per RoPE offset (``kernels.offset_attention``), extend and decode.
+in place too: long runs of one RoPE offset with the query turned back, the other keys gathered
+and turned forward (``kernels.offset_attention``), extend and decode.
 
 During selective recomputation (``recompute_layer.py``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
@@ -30,7 +31,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang_kvshare.integration.cache.views import views_unsupported
 from sglang_kvshare.integration.model.lr_pool import LRCache, paged_indices
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
-from sglang_kvshare.kernels.offset_attention import offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.offset_attention import KeyPlan, key_plan, offset_decode_attention, offset_extend_attention
 from sglang_kvshare.kernels.split_decode import slot_runs, split_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,8 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
             shifts = self._key_shifts(i, slots)
             if shifts is not None:
-                out[sel] = offset_extend_attention(q_[sel], k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype),
-                                                   shifts, q_pos, layer.scaling, self._rope())
+                out[sel] = offset_extend_attention(q_[sel], k_cache, v_cache, slots, shifts, q_pos, layer.scaling,
+                                                   self._rope())
                 continue
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
             values = v_cache[slots].transpose(0, 1).to(q.dtype)
@@ -126,22 +127,28 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
     def _rope(self):
         return self.session.rope_of(self.model_runner)
 
+    def _kept(self, store: str, i: int, seq_lens, build):
+        """``build()``, kept in the running forward's ``store`` dict under request ``i`` for the
+        other layers when ``seq_lens`` is that forward's (None: the one begun)."""
+        fwd = self.session.forward
+        if fwd is None or (seq_lens is not None and fwd.batch.seq_lens is not seq_lens):
+            return build()  # not the forward the backend began: compute without keeping
+        kept = getattr(fwd, store)
+        if i not in kept:
+            kept[i] = build()
+        return kept[i]
+
     def _key_shifts(self, i: int, slots: torch.Tensor, seq_lens=None):
         """Request ``i``'s per-key RoPE offsets over its slots ``slots`` (KV views,
-        ``cache/views.py``), or None when it reads every key at its own position; kept for the
-        other layers of the forward running ``seq_lens`` (default: the one begun)."""
+        ``cache/views.py``), or None when it reads every key at its own position."""
         views = self.session.views
         if views is None or views.marked == 0:
             return None
-        fwd = self.session.forward
-        if fwd is not None and seq_lens is not None and fwd.batch.seq_lens is not seq_lens:
-            fwd = None  # not the forward the backend began: compute without keeping
-        if fwd is not None and i in fwd.key_shifts:
-            return fwd.key_shifts[i]
-        shifts = views.offsets(slots)
-        if fwd is not None:
-            fwd.key_shifts[i] = shifts
-        return shifts
+        return self._kept("key_shifts", i, seq_lens, lambda: views.offsets(slots))
+
+    def _prefix_plan(self, i: int, slots, shifts, seq_lens) -> KeyPlan:
+        """Request ``i``'s ``KeyPlan`` of the keys before its extend."""
+        return self._kept("key_plans", i, seq_lens, lambda: key_plan(slots, shifts, self._rope()))
 
     def _lr_layer(self, layer) -> bool:
         return (
@@ -210,19 +217,16 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                 fwd.decode_runs = runs
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for i, parts in enumerate(runs):
-            if isinstance(parts, list):  # (runs, shift) parts: the request reads KV views
+            if isinstance(parts, KeyPlan):  # the request reads KV views
                 output[i] = offset_decode_attention(query[i], k_cache, v_cache, parts, scale, self._rope())
             else:
                 output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
         return output
 
     def _decode_parts(self, i: int, slots: torch.Tensor, seq_lens):
-        """Request ``i``'s slots as ``SlotRuns``, or, when it reads KV views, a list of
-        (``SlotRuns``, shift) per RoPE offset."""
+        """Request ``i``'s slots as ``SlotRuns``, or, when it reads KV views, its ``KeyPlan``."""
         shifts = self._key_shifts(i, slots, seq_lens)
-        if shifts is None:
-            return slot_runs(slots)
-        return [(slot_runs(slots[shifts == d]), int(d)) for d in torch.unique(shifts).tolist()]
+        return slot_runs(slots) if shifts is None else key_plan(slots, shifts, self._rope())
 
     def _run_sdpa_forward_extend(
         self,
@@ -260,10 +264,10 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             shifts = self._key_shifts(i, tokens, seq_lens)
             if shifts is not None:  # KV views: keys rotated for other positions
                 output[start_q : start_q + q_len] = offset_extend_attention(
-                    query[start_q : start_q + q_len], k_cache[tokens].to(query.dtype),
-                    v_cache[tokens].to(query.dtype), shifts,
+                    query[start_q : start_q + q_len], k_cache, v_cache, tokens, shifts,
                     torch.arange(prefix_len, prefix_len + q_len, device=query.device),
                     query.shape[-1] ** -0.5 if scaling is None else scaling, self._rope(),
+                    self._prefix_plan(i, tokens[:prefix_len], shifts[:prefix_len], seq_lens),
                 )
                 start_q += q_len
                 continue

@@ -10,6 +10,9 @@ hooks).
   state (``internal_states[i].kvshare``).
 - ``SchedulerInternalStateController.set_internal_state``: ``kvshare_save_anchor_pool`` saves
   the anchor pools (warm start, ``anchor_pool_file.py``).
+- ``SchedulerMetricsCollector.log_stats`` (AFTER, ``--enable-metrics``): whenever SGLang
+  publishes its KV-pool gauges, the ``kvshare_tree_tokens`` and ``kvshare_view_tokens`` gauges
+  are set beside them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from sglang_kvshare.segments.wire import KEY
 HOOKS = HookSet()
 _STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 _STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+_GAUGES = {
+    "tree_tokens": "KV tokens the radix tree holds (evictable + protected; shared slots once)",
+    "view_tokens": "Prompt tokens that live requests attend in a source's slots (KV views)",
+}
 
 
 def admit(ses, req) -> Optional[ReqShareState]:
@@ -68,8 +75,28 @@ def get_internal_state(ses, original, controller, recv_req):
     out = original(controller, recv_req)
     ses.observer.collect()
     tree = controller.scheduler.tree_cache
-    out.internal_state[KEY] = ses.stats() | {"tree_tokens": int(tree.evictable_size() + tree.protected_size())}
+    tree_tokens = ses.tree_tokens()
+    if tree_tokens is None:  # another radix-cache backend
+        tree_tokens = int(tree.evictable_size() + tree.protected_size())
+    out.internal_state[KEY] = ses.stats() | {"tree_tokens": tree_tokens}
     return out
+
+
+@HOOKS.after("sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats", ("self", "stats"))
+def log_stats(ses, result, collector, stats, *args, **kwargs):
+    """Set the ``kvshare_*`` gauges of this scheduler, labelled like SGLang's own (created at the
+    first publish: SGLang chose prometheus_client's multiprocess directory by then)."""
+    gauges = getattr(collector, "_kvshare_gauges", None)
+    if gauges is None:
+        from prometheus_client import Gauge
+
+        gauges = collector._kvshare_gauges = {
+            key: Gauge(f"kvshare_{key}", doc, list(collector.labels), multiprocess_mode="mostrecent")
+            for key, doc in _GAUGES.items()}
+    tree_tokens = ses.tree_tokens()
+    if tree_tokens is not None:
+        gauges["tree_tokens"].labels(**collector.labels).set(tree_tokens)
+    gauges["view_tokens"].labels(**collector.labels).set(ses.view_tokens())
 
 
 @HOOKS.around(f"{_STATE}.set_internal_state", ("self", "recv_req"))

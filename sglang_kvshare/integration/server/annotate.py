@@ -82,6 +82,7 @@ class AnnotationMixin:
             target_rho=ann.target_rho,
             fallback=ann.fallback,
             fallback_block=ann.fallback_block,
+            kv_views=ann.kv_views,
         )
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:

@@ -21,6 +21,8 @@ registry as SGLang's own.
 | `kvshare_lr_bytes` | | LR-cache memory (at the last LR-cache request) |
 | `kvshare_detected_spans_total` | kind | shared spans found by automatic detection (output, context) |
 | `kvshare_sources_missing_total` | | requests that refer to earlier turns this worker never served |
+| `kvshare_tree_tokens` | SGLang's scheduler labels | KV tokens the radix tree holds (set by the scheduler, `scheduler/requests.py`) |
+| `kvshare_view_tokens` | SGLang's scheduler labels | prompt tokens live requests attend in a source's slots (KV views; same) |
 """
 
 from __future__ import annotations

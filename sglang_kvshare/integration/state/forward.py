@@ -23,15 +23,18 @@ class ForwardState:
       LR attention layer and shared by all the others;
     - ``decode_runs``: in a decode, each request's KV slots as runs (``kernels.split_decode``),
       built by the first attention layer and shared by all the others;
-    - ``key_shifts``: with KV views, each request's per-key RoPE offsets (``cache/views.py``)."""
+    - ``key_shifts``: with KV views, each request's per-key RoPE offsets (``cache/views.py``);
+    - ``key_plans``: with KV views, in an extend, each request's plan of the keys before its
+      new tokens (``kernels.offset_attention.key_plan``)."""
 
     batch: Any  # the ForwardBatch
     plan: Any = _UNSET
     running: Optional[tuple] = None
     lr_columns: Any = None  # [bs] int64 tensor
     paged: Optional[tuple] = None  # (kv_indices, qo_indptr, kv_indptr)
-    decode_runs: Optional[list] = None  # [bs] SlotRuns, or (SlotRuns, shift) lists with KV views
+    decode_runs: Optional[list] = None  # [bs] SlotRuns, or KeyPlans with KV views
     key_shifts: dict = field(default_factory=dict)  # request index -> per-key RoPE offsets or None
+    key_plans: dict = field(default_factory=dict)  # request index -> KeyPlan of its prefix's keys
 
     @property
     def planned(self) -> bool:

@@ -48,6 +48,7 @@ class Session:
         # can attend them), set by the attention backend; the views, built with the tree
         self.views_unsupported: Optional[str] = "attention backend is not kvshare_torch"
         self.views = None
+        self.tree = None  # the ``kvshare`` radix tree (``cache/radix.py``), once SGLang built it
         self.forward: Optional[ForwardState] = None  # the forward now running
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
@@ -174,9 +175,17 @@ class Session:
             "observations_failed": self.observer.num_failed,
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
-            "view_tokens": sum(st.view_tokens for st in self.requests.values()),
+            "view_tokens": self.view_tokens(),
         } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
             {} if self.views is None else self.views.stats())
+
+    def tree_tokens(self) -> Optional[int]:
+        """KV tokens the radix tree holds (evictable + protected; with views, physical slots)."""
+        return None if self.tree is None else int(self.tree.evictable_size() + self.tree.protected_size())
+
+    def view_tokens(self) -> int:
+        """Prompt tokens that live requests attend in a source's slots (KV views)."""
+        return sum(st.view_tokens for st in self.requests.values())
 
     def lookup(self, req) -> Optional[ReqShareState]:
         """The segment state of a scheduler ``Req`` (None: unannotated, or not admitted)."""
