@@ -1,16 +1,19 @@
 """One copy of a shared context: KV views against copy mode, side by side in one run.
 
-Two fresh servers in turn (``python -m sglang_kvshare.launch_server``, the default SmolLM2 on the
-CPU, default flags), one with ``--kvshare-kv-views on`` (the default), one with ``off`` (copy mode:
-every later agent writes a re-rotated copy of each shared segment into slots of its own). Each
-runs the same sequential 4-agent ``fullshared`` workflows: agent i reads the workflow's shared
-context (distinct per workflow, ``benchmarks.serving.make_context``) and every earlier agent's
-output, greedy, ``--output-len`` tokens each (ignore_eos). Before each workflow the radix tree is
-flushed, so ``tree_tokens`` after it (``/server_info``) is the KV one finished workflow leaves.
+One server (``python -m sglang_kvshare.launch_server``, the default SmolLM2 on the CPU, default
+flags: views on) runs each workflow twice, in views mode and in copy mode (``kv_views: false`` in
+the annotation: every later agent writes a re-rotated copy of each shared segment into slots of
+its own, as ``--kvshare-kv-views off`` does), alternating which mode goes first, so drift of the
+machine hits both alike. A workflow is sequential ``fullshared`` agents: agent i reads the
+workflow's shared context (distinct per workflow, ``benchmarks.serving.make_context``) and every
+earlier agent's output, greedy, ``--output-len`` tokens each (ignore_eos). Before each workflow
+the radix tree is flushed, so ``tree_tokens`` after it (``/server_info``) is the KV one finished
+workflow leaves.
 
 Reported per mode, then views / copy: KV tokens the tree holds per workflow, the scheduler's
 injection time per later agent (``meta_info.kvshare.inject_ms``), later agents' TTFT and decode
-tokens/s (streamed), and whether every greedy output equals the other mode's.
+tokens/s (streamed), the first agent's decode tokens/s (no view in either mode: the noise
+floor), and whether every greedy output equals the other mode's.
 
     python -m benchmarks.kv_views                     # 2K context, 4 agents, 6 workflows (+1 warm-up)
     python -m benchmarks.kv_views --context 512 --workflows 2   # a quick look
@@ -42,11 +45,12 @@ AGENTS = {
 
 
 def workflow(server: Server, session: requests.Session, context: str, wf: str, agents: list[str],
-             output_len: int) -> dict:
+             output_len: int, views: bool) -> dict:
     flush_cache(server)
     outputs, turns = {}, []
     for agent in agents:
-        body = payload(wf, agent, "fullshared", segments(agent, outputs, AGENTS[agent], question=context), output_len)
+        body = payload(wf, agent, "fullshared", segments(agent, outputs, AGENTS[agent], question=context), output_len,
+                       kv_views=views)
         body["sampling_params"]["ignore_eos"] = True
         r = stream_generate(session, server.url, body, timeout=1800)
         meta = r["meta"]
@@ -60,20 +64,23 @@ def workflow(server: Server, session: requests.Session, context: str, wf: str, a
     return {"turns": turns, "tree_tokens": settle(server)["tree_tokens"]}
 
 
-def run_mode(mode: str, contexts: list[str], agents: list[str], output_len: int, log_dir: Path, bar) -> list[dict]:
-    bar.set_description(f"views {mode}: starting server")
-    server = Server(["-m", "sglang_kvshare.launch_server", "--kvshare-kv-views", mode],
-                    log_dir / f"views-{mode}.log", timeout=900)
+def run_modes(contexts: list[str], agents: list[str], output_len: int, log_dir: Path, bar) -> dict:
+    """mode ("on", "off") -> the measured workflows (the first context warms the engine up)."""
+    bar.set_description("starting the server")
+    server = Server(["-m", "sglang_kvshare.launch_server"], log_dir / "server.log", timeout=900)
+    runs: dict = {"on": [], "off": []}
     try:
         with requests.Session() as session:
-            runs = []
             for k, context in enumerate(contexts):
-                bar.set_description(f"views {mode}: workflow {k + 1}/{len(contexts)}" + (" (warm-up)" if k == 0 else ""))
-                runs.append(workflow(server, session, context, f"views-{mode}-{k}", agents, output_len))
-                bar.update()
+                for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
+                    bar.set_description(f"workflow {k + 1}/{len(contexts)}, views {mode}" + (" (warm-up)" if k == 0 else ""))
+                    run = workflow(server, session, context, f"views-{mode}-{k}", agents, output_len, mode == "on")
+                    if k:
+                        runs[mode].append(run)
+                    bar.update()
     finally:
         server.stop()
-    return runs[1:]  # the first warms the engine
+    return runs
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -84,6 +91,7 @@ def summarise(runs: list[dict]) -> dict:
         "inject_ms_per_later_agent": med(t["inject_ms"] for t in later),
         "later_ttft_s": med(t["ttft_s"] for t in later),
         "later_decode_tok_s": med(t["decode_tok_s"] for t in later),
+        "first_decode_tok_s": med(r["turns"][0]["decode_tok_s"] for r in runs),
         "view_tokens_per_workflow": med(sum(t["view_tokens"] for t in r["turns"]) for r in runs),
         "injected_tokens_per_workflow": med(sum(t["injected_tokens"] for t in r["turns"]) for r in runs),
     }
@@ -96,6 +104,7 @@ def markdown(res: dict) -> str:
         ("injection time per later agent, ms (scheduler)", "inject_ms_per_later_agent", "{:.2f}"),
         ("later-agent TTFT, s", "later_ttft_s", "{:.3f}"),
         ("later-agent decode, tokens/s", "later_decode_tok_s", "{:.1f}"),
+        ("first-agent decode, tokens/s (no view in either mode)", "first_decode_tok_s", "{:.1f}"),
     ]
     lines = [f"KV views vs copy mode: {res['config']}", "",
              "| median | views on | copy mode | views / copy |", "|---|---:|---:|---:|"]
@@ -124,7 +133,7 @@ def main(argv=None) -> None:
     agents = list(AGENTS)[-args.agents:]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as logs, tqdm(total=2 * len(contexts)) as bar:
-        runs = {mode: run_mode(mode, contexts, agents, args.output_len, Path(logs), bar) for mode in ("on", "off")}
+        runs = run_modes(contexts, agents, args.output_len, Path(logs), bar)
     texts = {m: [t["text"] for r in runs[m] for t in r["turns"]] for m in runs}
     res = {
         "config": {**vars(args), "out": str(args.out), "machine": platform.platform(), "minutes": None},

@@ -31,8 +31,9 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 class KeyPlan(NamedTuple):
     """A request's keys for attention in place: ``runs`` (first slot, length, shift), each
-    contiguous and of one shift, and ``q_turn``: per shift of a run, (cos, sin) [1, rotary_dim
-    // 2] turning the query back by it; ``rest``: the other slots (gathered) and ``rest_turn``:
+    contiguous and of one shift, and ``q_turn``: per shift of a run, the [D, D] matrix that
+    turns a query back by it (``x @ M``: one small matmul; built at the first use, kept for the
+    other layers); ``rest``: the other slots (gathered) and ``rest_turn``:
     (cos, sin) [len(rest), rotary_dim // 2] turning each of them forward by its shift (None:
     none is shifted)."""
 
@@ -57,6 +58,12 @@ def _turned(k: torch.Tensor, tables, rope: RopeSpec) -> torch.Tensor:
     return turned if rope.rotary_dim == k.shape[-1] else torch.cat((turned, k[..., rope.rotary_dim :]), dim=-1)
 
 
+def _turn_matrix(shift: int, D: int, rope: RopeSpec, device) -> torch.Tensor:
+    """M [D, D] float32 with ``x @ M`` = x [.., D] turned by ``shift`` positions (the identity's rows turned)."""
+    eye = torch.eye(D, device=device).unsqueeze(1)  # [D, 1, D]: D rows of one head
+    return _turned(eye, _turn_tables(torch.full((D,), shift, device=device), rope), rope)[:, 0, :]
+
+
 def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN) -> KeyPlan:
     """Plan the keys in ``slots`` [n] (int) whose RoPE is ``shifts`` [n] positions earlier than
     the request reads them: runs of >= ``min_run`` slots, the rest with its turn tables."""
@@ -71,11 +78,10 @@ def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run:
             runs.append((int(slots[a]), b - a, int(shifts[a])))
         else:
             rest.append(torch.arange(a, b, device=slots.device))
-    q_turn = {d: _turn_tables(torch.tensor([-d], device=slots.device), rope) for d in {d for *_, d in runs}}
     if not rest:
-        return KeyPlan(runs, q_turn, None, None)
+        return KeyPlan(runs, {}, None, None)
     idx = torch.cat(rest)
-    return KeyPlan(runs, q_turn, slots[idx], _turn_tables(shifts[idx], rope))
+    return KeyPlan(runs, {}, slots[idx], _turn_tables(shifts[idx], rope))
 
 
 def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float,
@@ -95,7 +101,9 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     pieces = []
     for s, n, shift in plan.runs:
         if shift not in turned:
-            turned[shift] = rows(_turned(q, plan.q_turn[shift], rope))
+            if shift not in plan.q_turn:
+                plan.q_turn[shift] = _turn_matrix(-shift, D, rope, q.device).to(q.dtype)
+            turned[shift] = rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape))
         pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n]))
     if plan.rest is not None:
         pieces.append((rows(q), _turned(k_cache[plan.rest], plan.rest_turn, rope), v_cache[plan.rest]))
