@@ -95,6 +95,40 @@ def test_tree_and_view_tokens_are_gauges(tiny_server):
     assert _gauge(tiny_server, "kvshare_view_tokens") == 0
 
 
+def _facts(seed: int, n: int) -> str:
+    return "Question: " + " ".join(f"Fact {i}: box {i} holds {(seed * 31 + i * 7) % 90} red apples." for i in range(n)) + " Sum?"
+
+
+def test_rows_a_correction_leaves_unchanged_are_read_in_place(tiny_server):
+    """kvcmas corrects the rows its anchors cover (as long as the second-longest one); the rows
+    after them are the source's, unchanged, and are read in place. Outputs equal copy mode's."""
+    slot, agents = "q-views-rows", ("solver", "critic")
+
+    def run(wf, question, **extra):
+        outputs, metas = {}, []
+        for agent in agents:
+            body = payload(wf, agent, "kvcmas", segments(agent, outputs, question=question, slot=slot), 8, tau=1.0,
+                           **extra)
+            r = tiny_server.generate(body)
+            assert r.status_code == 200, r.text
+            metas.append(r.json())
+            outputs[agent] = r.json()["text"]
+        settle(tiny_server)
+        return metas
+
+    for seed in (1, 2):  # short questions: dense fallbacks, anchors of ~80 rows
+        run(f"views-rows-warm-{seed}", _facts(seed, 5))
+    long_question = _facts(9, 24)
+    views = run("views-rows-on", long_question)[1]
+    copy = run("views-rows-off", long_question, kv_views=False)[1]
+    q = views["meta_info"]["kvshare"]["segments"][1]
+    assert q["mode"] == "corrected" and q["corrected_rows"] < q["tokens"] - MIN_VIEW_TOKENS, q
+    assert views["meta_info"]["kvshare"]["view_tokens"] == q["tokens"] - q["corrected_rows"]
+    assert copy["meta_info"]["kvshare"]["view_tokens"] == 0
+    assert copy["meta_info"]["kvshare"]["segments"][1]["corrected_rows"] == q["corrected_rows"]
+    assert views["output_ids"] == copy["output_ids"]
+
+
 def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):
     """Many readers of one source at once, some cut off by their client mid-generation: every
     shared slot is freed exactly once (SGLang's strict idle check would also stop the server)."""

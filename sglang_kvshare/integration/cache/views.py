@@ -39,6 +39,11 @@ HOOKS = HookSet()
 MIN_VIEW_TOKENS = MIN_RUN  # shorter shared spans are copied
 
 
+def viewable(views: Optional["KVViews"], spec, n: int) -> bool:
+    """Whether ``n`` unchanged source tokens are read in place by a request with wire ``spec``."""
+    return views is not None and spec.kv_views is not False and n >= MIN_VIEW_TOKENS
+
+
 class KVViews:
     """Reference counts and RoPE positions of the shared slots of one token-to-KV pool with
     ``num_slots`` rows."""

@@ -39,6 +39,7 @@ from sglang_kvshare.integration.cache.kv_io import (
     read_source,
     write_canonical,
 )
+from sglang_kvshare.integration.cache.views import viewable
 from sglang_kvshare.integration.scheduler.recompute_jobs import rows_job, unsupported
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.lowrank import LowRank
@@ -146,9 +147,17 @@ def correct_segment(
                 corrected = apply_delta(reference or source, source, result.delta, result.corrected_len)
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
-        dst = alloc_slots(scheduler, req, span.start, num_tokens)
+        # rows past the corrected ones are the source's, unchanged: read in place (KV views)
+        in_place = num_tokens - result.corrected_len
+        in_place = in_place if not fused and viewable(ses.views, st.spec, in_place) else 0
+        dst = alloc_slots(scheduler, req, span.start, num_tokens - in_place)
         if dst is None:
             return None
+        if in_place:
+            viewed = src[result.corrected_len : num_tokens]
+            ses.views.share(viewed, torch.arange(rec.start + result.corrected_len, rec.start + num_tokens))
+            st.view_tokens += in_place
+            dst = torch.cat([dst.to(viewed.dtype), viewed])
         if fused:
             k = result.corrected_len
             base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
@@ -156,9 +165,9 @@ def correct_segment(
             ar = torch.arange(num_tokens, device=rows.device)
             positions = torch.where(ar < k, base_start + ar, rec.start + ar)
             write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
-        else:  # the gathered source is ours: correct it in place and write it
+        else:  # the gathered source is ours: correct it in place and write the rows not viewed
             kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
-            write_canonical(pool, dst, kv, span.start, rope)
+            write_canonical(pool, dst[: num_tokens - in_place], kv, span.start, rope)
     st.correction_ms += 1000.0 * (time.perf_counter() - t0)
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 

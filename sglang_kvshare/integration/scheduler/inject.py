@@ -21,7 +21,7 @@ from sglang_kvshare.integration.cache.kv_io import (
     read_source,
     write_layers,
 )
-from sglang_kvshare.integration.cache.views import MIN_VIEW_TOKENS
+from sglang_kvshare.integration.cache.views import viewable
 from sglang_kvshare.kernels.kv_correct import kv_correct
 from sglang_kvshare.rope import RopeSpec
 from sglang_kvshare.segments import Span
@@ -41,8 +41,8 @@ def injectable_len(req, span: Span, rec: SourceRecord) -> int:
 def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_tokens: int,
                    rope: RopeSpec) -> Optional[InjectResult]:
     """Up to ``num_tokens`` of ``rec``'s cached K/V for ``span``: a view of the source's slots
-    (KV views on, at least ``MIN_VIEW_TOKENS`` tokens), or a copy (keys re-aligned) in new slots; None (nothing changed) when the source is gone or
-    no KV slots can be had."""
+    (``views.viewable``), or a copy (keys re-aligned) in new
+    slots; None (nothing changed) when the source is gone or no KV slots can be had."""
     t0 = time.perf_counter()
     st = ses.lookup(req)
     try:
@@ -55,7 +55,7 @@ def _inject(ses, scheduler, req, st, span, rec, num_tokens, rope) -> Optional[In
     with read_source(scheduler.tree_cache, rec, num_tokens) as src:
         if src is None:
             return None
-        if ses.views is not None and st.spec.kv_views is not False and len(src) >= MIN_VIEW_TOKENS:
+        if viewable(ses.views, st.spec, len(src)):
             ses.views.share(src, torch.arange(rec.start, rec.start + len(src)))
             st.view_tokens += len(src)
             return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=src)
