@@ -84,29 +84,30 @@ def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run:
     return KeyPlan(runs, {}, slots[idx], _turn_tables(shifts[idx], rope))
 
 
+def _rows(x: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """Queries [T, Hq, D] as rows (t, g) of each KV head: [1, Hkv, T * G, D]."""
+    T, Hq, D = x.shape
+    if T == 1:
+        return x.view(1, Hkv, Hq // Hkv, D)
+    return x.reshape(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
+
+
 def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float,
                 rope: RopeSpec) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """(outputs, log-sum-exps) of queries q [T, Hq, D] that see every key of ``plan`` in
     k_cache / v_cache [rows, Hkv, D], per piece [1, Hkv, T * G, Dv] and [1, Hkv, T * G] (rows
     (t, g): KV head h's G query heads of token t), for ``merge_pieces``."""
-    T, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-
-    def rows(x):
-        if T == 1:
-            return x.view(1, Hkv, Hq // Hkv, D)
-        return x.reshape(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
-
+    D, Hkv = q.shape[-1], k_cache.shape[1]
     turned: dict = {}
     pieces = []
     for s, n, shift in plan.runs:
         if shift not in turned:
             if shift not in plan.q_turn:
                 plan.q_turn[shift] = _turn_matrix(-shift, D, rope, q.device).to(q.dtype)
-            turned[shift] = rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape))
+            turned[shift] = _rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape), Hkv)
         pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n]))
     if plan.rest is not None:
-        pieces.append((rows(q), _turned(k_cache[plan.rest], plan.rest_turn, rope), v_cache[plan.rest]))
+        pieces.append((_rows(q, Hkv), _turned(k_cache[plan.rest], plan.rest_turn, rope), v_cache[plan.rest]))
     outs, lses = [], []
     for qg, k, v in pieces:
         o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
@@ -142,7 +143,7 @@ def offset_extend_attention(
     The keys before the first query are seen by every query: they are attended by their plan
     (``before``: ``key_plan`` of them, e.g. kept for the other layers). The rest are gathered,
     turned, and masked by position."""
-    T, Hq, D = q.shape
+    T, Hq, _ = q.shape
     Hkv = k_cache.shape[1]
     lo = int(q_pos.min())
     if before is None:
@@ -154,8 +155,7 @@ def offset_extend_attention(
         seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
         seen = seen.repeat_interleave(Hq // Hkv, 0)  # rows (t, g)
         mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-        qg = q.view(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
-        o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v_cache[tail].movedim(0, 1).unsqueeze(0),
+        o, lse = _FLASH(_rows(q, Hkv), k.movedim(0, 1).unsqueeze(0), v_cache[tail].movedim(0, 1).unsqueeze(0),
                         attn_mask=mask, scale=scale)[:2]
         outs.append(o)
         lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key

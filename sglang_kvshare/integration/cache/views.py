@@ -70,6 +70,12 @@ class KVViews:
         self.rope_pos[slots[unset]] = positions.to(self.rope_pos.device)[unset]
         self.marked += int(unset.sum())
 
+    def read_in_place(self, st, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Request state ``st`` reads ``slots`` (keys at RoPE ``positions``) as a view; returns them."""
+        self.share(slots, positions)
+        st.view_tokens += slots.numel()
+        return slots
+
     def release(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots of ``idx`` (one holder each per occurrence) that no holder keeps any more:
         what the allocator really frees. Their rope positions are cleared."""

@@ -148,25 +148,22 @@ def correct_segment(
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
         # rows past the corrected ones are the source's, unchanged: read in place (KV views)
-        in_place = num_tokens - result.corrected_len
-        in_place = in_place if not fused and viewable(ses.views, st.spec, in_place) else 0
+        k = result.corrected_len
+        in_place = num_tokens - k if not fused and viewable(ses.views, st.spec, num_tokens - k) else 0
         dst = alloc_slots(scheduler, req, span.start, num_tokens - in_place)
         if dst is None:
             return None
         if in_place:
-            viewed = src[result.corrected_len : num_tokens]
-            ses.views.share(viewed, torch.arange(rec.start + result.corrected_len, rec.start + num_tokens))
-            st.view_tokens += in_place
+            viewed = ses.views.read_in_place(st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens))
             dst = torch.cat([dst.to(viewed.dtype), viewed])
         if fused:
-            k = result.corrected_len
             base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
             rows = torch.cat([base_idx[:k], src[k:num_tokens]])
             ar = torch.arange(num_tokens, device=rows.device)
             positions = torch.where(ar < k, base_start + ar, rec.start + ar)
             write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
         else:  # the gathered source is ours: correct it in place and write the rows not viewed
-            kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
+            kv = apply_delta(reference or source, source, result.delta, k, inplace=True)
             write_canonical(pool, dst[: num_tokens - in_place], kv, span.start, rope)
     st.correction_ms += 1000.0 * (time.perf_counter() - t0)
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)

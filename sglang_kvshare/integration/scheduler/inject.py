@@ -56,8 +56,7 @@ def _inject(ses, scheduler, req, st, span, rec, num_tokens, rope) -> Optional[In
         if src is None:
             return None
         if viewable(ses.views, st.spec, len(src)):
-            ses.views.share(src, torch.arange(rec.start, rec.start + len(src)))
-            st.view_tokens += len(src)
+            ses.views.read_in_place(st, src, torch.arange(rec.start, rec.start + len(src)))
             return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=src)
         dst = alloc_slots(scheduler, req, span.start, len(src))
         if dst is None:

@@ -74,12 +74,13 @@ def get_internal_state(ses, original, controller, recv_req):
     (KV tokens the radix tree holds: evictable + protected)."""
     out = original(controller, recv_req)
     ses.observer.collect()
-    tree = controller.scheduler.tree_cache
-    tree_tokens = ses.tree_tokens()
-    if tree_tokens is None:  # another radix-cache backend
-        tree_tokens = int(tree.evictable_size() + tree.protected_size())
-    out.internal_state[KEY] = ses.stats() | {"tree_tokens": tree_tokens}
+    out.internal_state[KEY] = ses.stats() | {"tree_tokens": tree_tokens(controller.scheduler.tree_cache)}
     return out
+
+
+def tree_tokens(tree) -> int:
+    """KV tokens ``tree`` holds (evictable + protected; with KV views, each shared slot once)."""
+    return int(tree.evictable_size() + tree.protected_size())
 
 
 @HOOKS.after("sglang.srt.observability.metrics_collector.SchedulerMetricsCollector.log_stats", ("self", "stats"))
@@ -93,9 +94,8 @@ def log_stats(ses, result, collector, stats, *args, **kwargs):
         gauges = collector._kvshare_gauges = {
             key: Gauge(f"kvshare_{key}", doc, list(collector.labels), multiprocess_mode="mostrecent")
             for key, doc in _GAUGES.items()}
-    tree_tokens = ses.tree_tokens()
-    if tree_tokens is not None:
-        gauges["tree_tokens"].labels(**collector.labels).set(tree_tokens)
+    if ses.tree is not None:
+        gauges["tree_tokens"].labels(**collector.labels).set(tree_tokens(ses.tree))
     gauges["view_tokens"].labels(**collector.labels).set(ses.view_tokens())
 
 

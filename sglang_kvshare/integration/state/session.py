@@ -179,10 +179,6 @@ class Session:
         } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
             {} if self.views is None else self.views.stats())
 
-    def tree_tokens(self) -> Optional[int]:
-        """KV tokens the radix tree holds (evictable + protected; with views, physical slots)."""
-        return None if self.tree is None else int(self.tree.evictable_size() + self.tree.protected_size())
-
     def view_tokens(self) -> int:
         """Prompt tokens that live requests attend in a source's slots (KV views)."""
         return sum(st.view_tokens for st in self.requests.values())
