@@ -3,7 +3,8 @@ evictions under a small KV pool; afterwards no slot may be leaked or freed twice
 
 Workflows of 3 agents (one shared question per workflow, earlier outputs shared) run 4 at a time;
 each workflow draws its method (fullshared reads views; nonshared, kvcmas and cacheblend share the
-same tree and pool), and every 7th request's client gives up after 1 s. The server runs with views
+same tree and pool), and every 7th request streams 64 tokens and its client hangs up after the first
+chunk (so it leaves mid-generation however fast the server is). The server runs with views
 on (the default) and a small ``--max-total-tokens``, so sources are evicted while readers hold
 views. SGLang's strict idle check (available + evictable + protected == total) runs whenever the
 server idles and stops it on a mismatch. At the end the tree is flushed and ``/server_info`` must
@@ -36,6 +37,16 @@ METHODS = ("fullshared", "fullshared", "nonshared", "kvcmas", "cacheblend")
 AGENTS = ("solver", "critic", "final")
 
 
+def leave_mid_stream(url: str, body: dict):
+    """Stream ``body`` (EOS ignored) and hang up after the first chunk: 'left', or the HTTP status."""
+    body = {**body, "stream": True, "sampling_params": {**body["sampling_params"], "ignore_eos": True}}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
+        if r.status_code != 200:
+            return r.status_code
+        next(r.iter_lines(), None)
+    return "left"
+
+
 def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
     """Agents in sequence; returns each request's outcome (HTTP status, or 'left')."""
     method = rng.choice(METHODS)
@@ -43,12 +54,12 @@ def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
     outputs, outcomes = {}, []
     for agent in AGENTS:
         i = next(counter)
-        body = payload(f"soak-{k}", agent, method, segments(agent, outputs, question=question), rng.choice((4, 16, 64)))
-        try:
-            r = requests.post(url + "/generate", json=body, timeout=1 if i % 7 == 0 else 600)
-        except requests.exceptions.Timeout:
-            outcomes.append("left")
+        segs = segments(agent, outputs, question=question)
+        if i % 7 == 0:
+            outcomes.append(leave_mid_stream(url, payload(f"soak-{k}", agent, method, segs, 64)))
             continue
+        body = payload(f"soak-{k}", agent, method, segs, rng.choice((4, 16, 64)))
+        r = requests.post(url + "/generate", json=body, timeout=600)
         outcomes.append(r.status_code)
         if r.status_code == 200 and r.json()["text"]:
             outputs[agent] = r.json()["text"]
