@@ -80,13 +80,15 @@ def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSp
 
 @torch.no_grad()
 def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None) -> SegmentKV:
-    """K/V of slots ``idx`` (a segment that starts at ``start``) as [L, n, H*D], keys at 0."""
+    """K/V of slots ``idx`` (a segment that starts at ``start``) as float32 [L, n, H*D], keys at 0
+    (float32 so that the rotation, the correction and the write each round once, in place)."""
     idx = idx.to(torch.int64)
     k, v = stack_kv(pool, idx, dim=0)  # [L, n, H, D], no transpose needed
     if views is not None:
         k = views.align_keys(k, idx, start, rope, dim=0)
     L, n, H, D = k.shape
-    return SegmentKV(_moved(k, -start, rope).reshape(L, n, H * D), v.reshape(L, n, H * D))
+    k = rotate_keys_(k.float() if k.dtype != torch.float32 else k, -start, rope)
+    return SegmentKV(k.reshape(L, n, H * D), v.float().reshape(L, n, H * D))
 
 
 @torch.no_grad()
@@ -106,7 +108,7 @@ def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: Ro
     k_buf0 = next(kv_layers(pool))[0]
     H, D = k_buf0.shape[1:]
     L = kv.k.shape[0]
-    k = _moved(kv.k[:, :n].to(k_buf0.dtype, copy=True).view(L, n, H, D), start, rope)
+    k = rotate_keys_(kv.k[:, :n].to(torch.float32, copy=True).view(L, n, H, D), start, rope)
     write_layers(pool, dst, k, kv.v[:, :n].view(L, n, H, D), dim=0)
 
 
