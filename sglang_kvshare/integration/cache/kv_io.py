@@ -87,7 +87,7 @@ def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=
     if views is not None:
         k = views.align_keys(k, idx, start, rope, dim=0)
     L, n, H, D = k.shape
-    k = rotate_keys_(k.float() if k.dtype != torch.float32 else k, -start, rope)
+    k = rotate_keys_(k.float(), -start, rope)  # float() is k itself when float32 (a fresh gather)
     return SegmentKV(k.reshape(L, n, H * D), v.float().reshape(L, n, H * D))
 
 
