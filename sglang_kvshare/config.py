@@ -93,6 +93,14 @@ class KVShareArgs:
         "scheduler (background) or inside the scheduler step (inline)",
         choices=lambda: ["background", "inline"],
     )
+    keep_freed_memory: str = _flag(
+        "on",
+        "CPU scheduler: 'on' keeps memory the scheduler frees for reuse (glibc mallopt: allocations "
+        "up to 1 GiB from the heap, free heap returned to the system above 2 GiB), so the "
+        "correction's temporary tensors do not page-fault on every use (docs/results.md); "
+        "'off': glibc's defaults, as in a plain SGLang server",
+        choices=lambda: ["on", "off"],
+    )
     anchor_pool: str = _flag(
         "",
         "warm start: load the anchor pools from this file at startup (if it exists) and save them "
@@ -153,6 +161,7 @@ class KVShareArgs:
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
             ("kv_views", self.kv_views in ("on", "off"), "'on' or 'off'"),
+            ("keep_freed_memory", self.keep_freed_memory in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),

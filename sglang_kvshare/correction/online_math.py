@@ -93,8 +93,10 @@ class AnchorPoolMath:
         for layers in _blocks(n_layers):
             dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
             for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
-                mix = deltas[which].mix(token_weights(dist, T), layers)  # [c, k, D]
-                out[layers] = self._combine(mix, edge, layers, which, k)
+                mix = deltas[which].mix(token_weights(dist, T), layers, out=out[layers])  # [c, k, D]
+                combined = self._combine(mix, edge, layers, which, k)
+                if combined is not mix:
+                    mix.copy_(combined)
         for layer in self.config.skip_layers:
             if layer < n_layers:
                 out_k[layer] = 0.0

@@ -129,6 +129,26 @@ def unpin_lora() -> None:
             module.torch = _NoPinTorch(torch)
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory(mmap_threshold: int = 1 << 30, trim_threshold: int = 2 << 30) -> bool:
+    """Keep freed memory in this process for reuse: glibc serves allocations up to
+    ``mmap_threshold`` bytes from its heap and returns free heap memory to the system only above
+    ``trim_threshold``. With glibc's defaults every temporary tensor of a few MB is a fresh
+    ``mmap`` that page-faults on first touch, which on a CPU costs as much as the arithmetic of
+    the correction's elementwise steps. False (nothing changed) without glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
 def install() -> None:
     """Activate the workarounds in this interpreter (idempotent)."""
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")

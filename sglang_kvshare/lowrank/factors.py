@@ -228,35 +228,36 @@ class FactorBatch:
         Low-rank members are never reconstructed: with P = x B^T and orthonormal rows of B,
         ||x - A B||^2 = (||x||^2 - ||P||^2) + ||P - A||^2 per row (the part of x outside B's
         row space, plus the distance within it), so the cost is one [k, D] @ [D, N r] product
-        per layer and the memory O(N k r), not O(N k D). The product runs in ``compute_dtype``;
-        the norms and differences in float32."""
-        x = x.float()
+        per layer and the memory O(N k r), not O(N k D). P and P - A stay in ``compute_dtype``
+        (they are products of and differences between values of that precision); every sum of
+        squares accumulates in float32."""
         c, k, _ = x.shape
         low = None
         if self.low:
             A, B = self._low(layers)
             n, r = len(self.low), self.rank
-            P = torch.bmm(x.to(A.dtype), B.transpose(1, 2)).float().view(c, k, n, r)  # [c, k, n, r]
-            outside = (x.square().sum(-1)[..., None] - P.square().sum(-1)).clamp_min(0.0)
-            sq = outside + (P - A.float().view(c, k, n, r)).square().sum(-1)
-            low = sq.permute(2, 0, 1)
-        dense = (x[None] - self._dense(layers)).square().sum(-1) if self.dense else None
+            P = torch.bmm(x.to(A.dtype), B.transpose(1, 2)).view(c, k, n, r)  # [c, k, n, r]
+            inside = P - A.view(c, k, n, r)
+            outside = x.float().square().sum(-1)[..., None] - P.square().sum(-1, dtype=torch.float32)
+            low = (outside.clamp_min_(0.0) + inside.square().sum(-1, dtype=torch.float32)).permute(2, 0, 1)
+        dense = (x.float()[None] - self._dense(layers)).square().sum(-1) if self.dense else None
         return self._place(low, dense)
 
-    def mix(self, weights: torch.Tensor, layers: slice) -> torch.Tensor:
-        """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D]; weights: [N, c, k].
+    def mix(self, weights: torch.Tensor, layers: slice, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D] float32 (written into ``out`` when
+        given); weights: [N, c, k].
 
         The low-rank part is one product [c, k, N r] @ [c, N r, D] with A = [w_1 A_1 | ...] and
         B = [B_1; ...] (the same form ``kernels.kv_correct`` takes)."""
-        out = None
         if self.low:
             A, B = self._low(layers)
             c, k = A.shape[:2]
             n, r = len(self.low), self.rank
-            w = weights[self.low].to(A.dtype).permute(1, 2, 0)[..., None]  # [c, k, n, 1]
-            out = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B).float()
+            w = weights[self.low].permute(1, 2, 0).to(A.dtype)[..., None]  # [c, k, n, 1]
+            low = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B)
+            out = low.float() if out is None else out.copy_(low)
         if self.dense:
             w = weights[self.dense].float()
             d = (w[..., None] * self._dense(layers)).sum(0)
-            out = d if out is None else out + d
+            out = d if out is None else out.add_(d) if self.low else out.copy_(d)
         return out

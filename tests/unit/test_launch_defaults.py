@@ -1,5 +1,8 @@
 """The launcher's argv logic (``sglang_kvshare.launch_server``): defaults and refused flags, no server."""
 
+import subprocess
+import sys
+
 import pytest
 
 from sglang_kvshare.launch_server import PROG, check_flags, flag_value, with_defaults
@@ -106,3 +109,44 @@ def test_fallback_flags():
         parser.parse_args(["--kvshare-fallback", "partial"])
     with pytest.raises(ValueError, match="--kvshare-fallback-block must be >= 1"):
         KVShareArgs(fallback_block=0)
+
+
+def test_keep_freed_memory_flag():
+    import argparse
+
+    from sglang_kvshare.config import KVShareArgs
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    assert KVShareArgs.from_cli_args(parser.parse_args([])).keep_freed_memory == "on"
+    assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-keep-freed-memory", "off"])).keep_freed_memory == "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvshare-keep-freed-memory", "yes"])
+    with pytest.raises(ValueError, match="--kvshare-keep-freed-memory must be 'on' or 'off'"):
+        KVShareArgs(keep_freed_memory="maybe")
+
+
+_RSS_AFTER_FREE = """
+import sys, torch
+from sglang_kvshare.integration.cpu_shims import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+before = rss_mb()
+x = torch.ones(64 << 18)  # 64 MiB, above glibc's largest default mmap threshold (32 MiB)
+del x
+print(rss_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keep_freed_memory_keeps_a_freed_tensor_in_the_process():
+    """With glibc's defaults a freed 64 MiB tensor goes back to the system (the next one
+    page-faults again); after ``keep_freed_memory`` it stays for reuse."""
+    kept = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode], capture_output=True, text=True, check=True)
+        kept[mode] = float(out.stdout.split()[-1])
+    assert kept["default"] < 16 and kept["keep"] > 48, kept

@@ -81,14 +81,21 @@ def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSp
 @torch.no_grad()
 def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``) as float32 [L, n, H*D], keys at 0
-    (float32 so that the rotation, the correction and the write each round once, in place)."""
+    (float32 so that the rotation, the correction and the write each round once, in place).
+    Each layer's rows are converted straight into the result: no stacked copy in the pool's
+    dtype first."""
     idx = idx.to(torch.int64)
-    k, v = stack_kv(pool, idx, dim=0)  # [L, n, H, D], no transpose needed
+    layers = list(kv_layers(pool))
+    n, (H, D) = len(idx), layers[0][0].shape[1:]
+    k = torch.empty(len(layers), n, H, D, dtype=torch.float32, device=idx.device)
+    v = torch.empty_like(k)
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        k[layer].copy_(k_buf[idx])
+        v[layer].copy_(v_buf[idx])
     if views is not None:
-        k = views.align_keys(k, idx, start, rope, dim=0)
-    L, n, H, D = k.shape
-    k = rotate_keys_(k.float(), -start, rope)  # float() is k itself when float32 (a fresh gather)
-    return SegmentKV(k.reshape(L, n, H * D), v.float().reshape(L, n, H * D))
+        k = views.align_keys(k, idx, start, rope, dim=0).contiguous()  # float32 in, float32 out
+    k = rotate_keys_(k, -start, rope)
+    return SegmentKV(k.view(len(layers), n, H * D), v.view(len(layers), n, H * D))
 
 
 @torch.no_grad()
@@ -102,14 +109,15 @@ def write_layers(pool, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 @torch.no_grad()
 def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: RopeSpec) -> None:
-    """Write canonical ``kv`` (first ``len(dst)`` rows) into slots ``dst`` at position ``start``."""
+    """Write canonical ``kv`` (first ``len(dst)`` rows) into slots ``dst`` at position ``start``
+    (keys rotated one layer at a time, in a float32 copy: ``kv`` is not changed)."""
     dst = dst.to(torch.int64)
     n = len(dst)
-    k_buf0 = next(kv_layers(pool))[0]
-    H, D = k_buf0.shape[1:]
-    L = kv.k.shape[0]
-    k = rotate_keys_(kv.k[:, :n].to(torch.float32, copy=True).view(L, n, H, D), start, rope)
-    write_layers(pool, dst, k, kv.v[:, :n].view(L, n, H, D), dim=0)
+    for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
+        H, D = k_buf.shape[1:]
+        k = kv.k[layer, :n].to(torch.float32, copy=True).view(n, H, D)
+        k_buf[dst] = rotate_keys_(k, start, rope).to(k_buf.dtype)
+        v_buf[dst] = kv.v[layer, :n].view(n, H, D).to(v_buf.dtype)
 
 
 def kv_bytes_per_token(pool) -> int:
