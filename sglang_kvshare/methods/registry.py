@@ -148,18 +148,32 @@ def get_method(name: str) -> MethodSpec:
 
 
 def method_variant(label: str) -> tuple[str, dict]:
-    """A benchmark label ``METHOD[+dense|+rows[N]|+copy]`` -> (method, annotation keys): the
-    fallback of a correction method (``+rows64``: ``fallback: rows``, ``fallback_block: 64``;
-    ``+rows``: the server's block size), or ``+copy``: later agents copy shared segments instead
-    of reading them in place (``kv_views: false``). Plain method names map to themselves."""
-    name, _, variant = label.partition("+")
+    """A benchmark label ``METHOD[+VARIANT...]`` -> (method, annotation keys). Variants: the
+    fallback of a correction method (``+dense``; ``+rows64``: ``fallback: rows``,
+    ``fallback_block: 64``; ``+rows``: the server's block size), ``+rho0.5``: the gate's reuse
+    target for the request (``target_rho``), or ``+copy``: later agents copy shared segments
+    instead of reading them in place (``kv_views: false``). Plain method names map to themselves;
+    variants combine (``kvcmas+dense+rho0.5``)."""
+    name, *variants = label.split("+")
     get_method(name)
-    if not variant:
-        return name, {}
-    if variant == "copy":
-        return name, {"kv_views": False}
-    if variant == "dense":
-        return name, {"fallback": "dense"}
-    if variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
-        return name, {"fallback": "rows", **({"fallback_block": int(variant[4:])} if variant[4:] else {})}
-    raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN or copy)")
+    keys: dict = {}
+    for variant in variants:
+        if variant == "copy":
+            keys["kv_views"] = False
+        elif variant == "dense":
+            keys["fallback"] = "dense"
+        elif variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
+            keys.update(fallback="rows", **({"fallback_block": int(variant[4:])} if variant[4:] else {}))
+        elif variant.startswith("rho") and _is_number(variant[3:]):
+            keys["target_rho"] = float(variant[3:])
+        else:
+            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX or copy)")
+    return name, keys
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
