@@ -14,7 +14,10 @@ a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_atte
 
 - ``offset_decode_attention``: one decode query over a ``KeyPlan``.
 - ``offset_extend_attention``: an extend's queries over a request's slots: the keys before the
-  first query (every query sees them) by their plan, the rest gathered under the causal mask.
+  first query (every query sees them) by their plan, the rest gathered, causally (an extend) or
+  under a mask by position (rows chosen for recomputation). Requests without views use it too
+  when keys precede their queries (shifts 0: runs attended in place, no turn): SDPA's mask
+  over a prefix makes the CPU kernel compute every key block, twice the work of a causal extend.
 """
 
 from __future__ import annotations
@@ -101,7 +104,9 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     turned: dict = {}
     pieces = []
     for s, n, shift in plan.runs:
-        if shift not in turned:
+        if shift == 0:
+            turned.setdefault(0, _rows(q, Hkv))
+        elif shift not in turned:
             if shift not in plan.q_turn:
                 plan.q_turn[shift] = _turn_matrix(-shift, D, rope, q.device).to(q.dtype)
             turned[shift] = _rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape), Hkv)
@@ -133,30 +138,38 @@ def offset_decode_attention(
 
 def offset_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, shifts: torch.Tensor,
-    q_pos: torch.Tensor, scale: float, rope: RopeSpec, before: Optional[KeyPlan] = None,
+    q_pos: torch.Tensor, scale: float, rope: Optional[RopeSpec], before: Optional[KeyPlan] = None,
 ) -> torch.Tensor:
     """Causal attention of an extend's queries q [T, Hq, D] (at the request's positions
     ``q_pos`` [T]) over a request's keys: ``slots`` [kv] in k_cache / v_cache, key i at the
     request's position i with RoPE ``shifts[i]`` positions earlier. [T, Hq, Dv], equal to SDPA
-    over the keys turned by +shifts[i] under the mask key position <= query position.
+    over the keys turned by +shifts[i] under the mask key position <= query position. ``rope``
+    may be None when no shift is set.
 
     The keys before the first query are seen by every query: they are attended by their plan
-    (``before``: ``key_plan`` of them, e.g. kept for the other layers). The rest are gathered,
-    turned, and masked by position."""
+    (``before``: ``key_plan`` of them, e.g. kept for the other layers). The rest are gathered and
+    turned. When the queries are exactly those keys' positions (an extend), they are attended
+    causally, where the kernel skips the key blocks past the diagonal (half the work of a mask);
+    otherwise (rows chosen for recomputation) under a mask by position."""
     T, Hq, _ = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv, G = k_cache.shape[1], Hq // k_cache.shape[1]
     lo = int(q_pos.min())
     if before is None:
         before = key_plan(slots[:lo], shifts[:lo], rope)
     outs, lses = plan_pieces(q, k_cache, v_cache, before, scale, rope)
     tail = slots[lo:]
     if tail.numel():
-        k = _turned(k_cache[tail], _turn_tables(shifts[lo:], rope), rope)
-        seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
-        seen = seen.repeat_interleave(Hq // Hkv, 0)  # rows (t, g)
-        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-        o, lse = _FLASH(_rows(q, Hkv), k.movedim(0, 1).unsqueeze(0), v_cache[tail].movedim(0, 1).unsqueeze(0),
-                        attn_mask=mask, scale=scale)[:2]
-        outs.append(o)
-        lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key
+        k = _turned(k_cache[tail], _turn_tables(shifts[lo:], rope), rope).movedim(0, 1).unsqueeze(0)
+        v = v_cache[tail].movedim(0, 1).unsqueeze(0)
+        if tail.numel() == T and torch.equal(q_pos, torch.arange(lo, lo + T, device=q_pos.device)):
+            o, lse = _FLASH(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]  # [1, Hq, T, .]
+            outs.append(o[0].view(Hkv, G, T, -1).permute(0, 2, 1, 3).reshape(1, Hkv, T * G, -1))  # rows (t, g)
+            lses.append(lse[0].view(Hkv, G, T).permute(0, 2, 1).reshape(1, Hkv, T * G))
+        else:
+            seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
+            seen = seen.repeat_interleave(G, 0)  # rows (t, g)
+            mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+            o, lse = _FLASH(_rows(q, Hkv), k, v, attn_mask=mask, scale=scale)[:2]
+            outs.append(o)
+            lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key
     return _heads(merge_pieces(outs, lses, q.dtype), T, Hq)

@@ -72,3 +72,21 @@ def test_decode_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     unshifted = offset_decode_attention(q, k_pool, v_pool, key_plan(slots, torch.zeros_like(shifts), ROPE), D ** -0.5, ROPE)
     assert (unshifted - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rows", ["extend", "chosen"])
+def test_keys_at_their_own_positions_equal_sdpa_under_the_prefix_mask(rows):
+    """Shifts 0 (a request without views): the extend's own keys attended causally, or rows
+    chosen for recomputation under a mask by position, equal SDPA over the gathered keys."""
+    k_true, _, v, _, q_all = _request(6, 2, seed=3)
+    q_pos = torch.arange(130, 700) if rows == "extend" else torch.tensor([140, 141, 300, 301, 302, 650, 699])
+    q = shift_keys(q_all[q_pos], q_pos, ROPE)
+    slots = torch.arange(700)
+    out = offset_extend_attention(q, k_true, v, slots, torch.zeros(700, dtype=torch.int64), q_pos, D ** -0.5, None)
+    mask = torch.arange(700)[None, :] <= q_pos[:, None]
+    ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    unmasked = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true.transpose(0, 1)[None],
+                                            v.transpose(0, 1)[None], scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    assert (out - unmasked).abs().max() > 1e-3  # the mask matters: a query must not see later keys

@@ -2,12 +2,11 @@
 
 The stock torch-native extend pads each request's queries to its whole sequence, so an extend of
 a few tokens after a long (cached or injected) prefix costs as much as attending the whole
-sequence to itself. Here the new queries alone attend to the prefix plus themselves, under a
-causal mask shifted by the prefix length. Decode attends each request's long runs of KV slots in
-place instead of gathering them every layer (``kernels.split_decode``); every other case stays stock.
-A request that reads KV views (``cache/views.py``: keys rotated for other positions) is attended
-in place too: long runs of one RoPE offset with the query turned back, the other keys gathered
-and turned forward (``kernels.offset_attention``), extend and decode.
+sequence to itself. Here the new queries alone attend to the prefix (its long runs in place) and
+causally to themselves (``kernels.offset_attention``). Decode attends each request's long runs
+of KV slots in place (``kernels.split_decode``); every other case stays stock. A request that
+reads KV views (``cache/views.py``: keys rotated for other positions) is attended the same way,
+long runs of one RoPE offset with the query turned back, the other keys turned forward.
 
 During selective recomputation (``recompute_layer.py``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
@@ -44,6 +43,13 @@ def prefix_causal_mask(q_len: int, prefix_len: int, device) -> torch.Tensor:
     q_pos = torch.arange(prefix_len, prefix_len + q_len, device=device)[:, None]
     k_pos = torch.arange(prefix_len + q_len, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def _unshifted(slots: torch.Tensor) -> torch.Tensor:
+    """Shifts 0 for keys read at their own positions: ``offset_extend_attention`` then attends
+    the keys before the first query in place (no gather) and an extend's own keys causally,
+    where SDPA's mask over a prefix makes the CPU kernel compute every key block."""
+    return torch.zeros(len(slots), dtype=torch.int64, device=slots.device)
 
 
 class KVShareTorchAttnBackend(TorchNativeAttnBackend):
@@ -110,6 +116,8 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             q_pos = prefix + dev_rows[sel] - start
             slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
             shifts = self._key_shifts(i, slots)
+            if shifts is None and k_cache.dtype == q.dtype:
+                shifts = _unshifted(slots)  # the keys before the first row in place
             if shifts is not None:
                 out[sel] = offset_extend_attention(q_[sel], k_cache, v_cache, slots, shifts, q_pos, layer.scaling,
                                                    self._rope())
@@ -262,6 +270,8 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             kv_len = int(seq_lens[i])
             tokens = req_to_token[req_pool_indices[i], :kv_len]
             shifts = self._key_shifts(i, tokens, seq_lens)
+            if shifts is None and prefix_len > 0 and k_cache.dtype == query.dtype:
+                shifts = _unshifted(tokens)  # the prefix in place and the extend causal, not under a mask
             if shifts is not None:  # KV views: keys rotated for other positions
                 output[start_q : start_q + q_len] = offset_extend_attention(
                     query[start_q : start_q + q_len], k_cache, v_cache, tokens, shifts,
@@ -275,11 +285,8 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             k = k_cache[tokens].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
             v = v_cache[tokens].transpose(0, 1).to(q.dtype)
             mask = None if prefix_len == 0 else prefix_causal_mask(q_len, prefix_len, q.device)
-            out = scaled_dot_product_attention(
-                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                attn_mask=mask, is_causal=prefix_len == 0,
-                scale=scaling, enable_gqa=enable_gqa,
-            )
+            out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+                                               is_causal=prefix_len == 0, scale=scaling, enable_gqa=enable_gqa)
             output[start_q : start_q + q_len] = out.squeeze(0).transpose(0, 1)
             start_q += q_len
         return output
