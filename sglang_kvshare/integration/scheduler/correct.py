@@ -21,7 +21,6 @@ on the CPU the corrected cache is materialised and written with one rotation for
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Optional
@@ -92,7 +91,6 @@ def correct_segment(
     acceptance), a ``PendingObservation`` in ``st.pending[index]``. ``fused``: write through
     ``kernels.kv_correct`` (default: when the KV pool is on CUDA).
     """
-    t0 = time.perf_counter()
     tree = scheduler.tree_cache
     pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
     ref_rec = st.reference(ses.registry, span.slot) if st.method.needs_reference else None
@@ -135,7 +133,6 @@ def correct_segment(
             unsupported_reason = unsupported(ses, scheduler)
             if unsupported_reason is None:  # the segment enters the next extend as a job
                 _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool)
-                st.correction_ms += 1000.0 * (time.perf_counter() - t0)
                 return None
             record["rows_fallback"] = unsupported_reason  # the segment is prefilled densely instead
         shadow = (result.accepted and not rejected and ses.args.shadow_fraction > 0
@@ -165,7 +162,6 @@ def correct_segment(
         else:  # the gathered source is ours: correct it in place and write the rows not viewed
             kv = apply_delta(reference or source, source, result.delta, k, inplace=True)
             write_canonical(pool, dst[: num_tokens - in_place], kv, span.start, rope)
-    st.correction_ms += 1000.0 * (time.perf_counter() - t0)
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
 

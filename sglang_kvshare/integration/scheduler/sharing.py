@@ -16,6 +16,7 @@ Every family reads a source cache through ``cache.kv_io.read_source``.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from sglang_kvshare.integration.cache.kv_io import commit_injection
@@ -52,7 +53,9 @@ class Correct(Family):
 
     def share(self, ses, scheduler, req, st, index, span, rec, n, rope):
         corrector = ses.corrector(st.method.corrector)
+        t0 = time.perf_counter()
         result = correct_segment(ses, scheduler, req, st, index, span, rec, n, rope, corrector)
+        st.correction_ms += 1000.0 * (time.perf_counter() - t0)  # rejections' gather and gate too
         st.anchor_bytes = corrector.nbytes()
         return result
 
