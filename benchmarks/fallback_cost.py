@@ -24,7 +24,6 @@ nonshared's, the gates and the tokens computed.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
+from benchmarks.kv_views import save
 from benchmarks.serving import make_context, stream_generate
 from tests.integration.server import Server
 from tests.integration.workflow_helpers import payload, segments, settle
@@ -119,10 +119,7 @@ def main(argv=None) -> None:
             server.stop()
     res = {"config": {**vars(args), "out": str(args.out), "minutes": round((time.time() - t0) / 60, 1)},
            "summary": summarise(turns), "turns": turns}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    save(args.out, res, markdown(res))
 
 
 if __name__ == "__main__":

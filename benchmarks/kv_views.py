@@ -143,10 +143,15 @@ def main(argv=None) -> None:
         "runs": runs,
     }
     res["config"]["minutes"] = round((time.time() - t0) / 60, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(res) + "\n")
-    print(markdown(res))
+    save(args.out, res, markdown(res))
+
+
+def save(out: Path, res: dict, table: str) -> None:
+    """``res`` as JSON in ``out``, ``table`` beside it (``.md``) and on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
 
 
 if __name__ == "__main__":

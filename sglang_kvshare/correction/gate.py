@@ -49,7 +49,8 @@ def gate(distances: torch.Tensor, temperature: float = 1.0) -> Tuple[torch.Tenso
 def token_weights(distances: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Token-wise interpolation weights: softmax over anchors of -d[v, t] / T.
 
-    distances: [N, T] mean absolute distance of each token to each anchor -> [N, T] float32,
-    each column sums to 1.
+    distances: [N, T] distance of each token to each anchor (the paper: mean absolute; the
+    online correctors pass the root mean square, ``online`` step 5) -> [N, T] float32, each
+    column sums to 1.
     """
     return torch.softmax(-distances.float() / temperature, dim=0)
