@@ -37,8 +37,7 @@ from benchmarks.serving import make_context, stream_generate
 from tests.integration.server import Server
 from tests.integration.workflow_helpers import payload, segments, settle
 
-SYSTEM = {"solver": "You are a careful solver. Think step by step.",
-          "critic": "You are a strict critic who checks every claim of the solver."}
+AGENTS = ("solver", "critic")  # their system prompts: ``workflow_helpers.SYSTEM``
 ARMS = {  # arm -> (method, annotation keys of the later agent)
     "nonshared": ("nonshared", {}),
     "kvcmas+dense, tau 0": ("kvcmas", {"tau": 0.0, "fallback": "dense"}),
@@ -51,8 +50,8 @@ def later_turn(server: Server, session: requests.Session, context: str, wf: str,
     """Run the workflow; the second agent's measurements."""
     method, extra = ARMS[arm]
     outputs: dict = {}
-    for agent in SYSTEM:
-        body = payload(wf, agent, method, segments(agent, outputs, SYSTEM[agent], question=context), output_len,
+    for agent in AGENTS:
+        body = payload(wf, agent, method, segments(agent, outputs, question=context), output_len,
                        **(extra if outputs else {}))
         body["sampling_params"]["ignore_eos"] = True
         r = stream_generate(session, server.url, body, timeout=1800)

@@ -108,12 +108,10 @@ class KVCMASPlusCorrector(AnchorPoolCorrector):
         )
         return anchor
 
-    def _combine(self, mix, edge, layers, which, k) -> torch.Tensor:
+    def _combine_(self, mix, edge, layers, which, k) -> None:
         mean = self._edge_means.get(edge) if edge is not None else None
         lam = self.config.edge_mix
         if mean is None or lam == 0.0:
-            return mix
+            return
         n = min(k, mean.k.rows)
-        out = mix.clone()
-        out[:, :n] = (1.0 - lam) * mix[:, :n] + lam * (mean.k, mean.v)[which][layers].reconstruct(n)
-        return out
+        mix[:, :n] = (1.0 - lam) * mix[:, :n] + lam * (mean.k, mean.v)[which][layers].reconstruct(n)

@@ -4,7 +4,7 @@ distances on the value states (eq. 9) and the token-weighted delta estimate (eq.
 Both run batched over all members and a block of layers at a time (``lowrank.FactorBatch``): one
 pass over the value states gives both the gate distances and the value weights.
 ``AnchorPoolMath`` is a base of ``online.AnchorPoolCorrector`` and reads its ``config`` (an
-``online.AnchorPoolConfig``); subclasses change the final delta through ``_combine``.
+``online.AnchorPoolConfig``); subclasses change the final delta through ``_combine_``.
 """
 
 from __future__ import annotations
@@ -94,17 +94,13 @@ class AnchorPoolMath:
             dist_k = (bases_k.sq_distances(base.k[layers, :k], layers) / D).sqrt()
             for which, (dist, out) in enumerate(((dist_k, out_k), (dist_v[:, layers], out_v))):
                 mix = deltas[which].mix(token_weights(dist, T), layers, out=out[layers])  # [c, k, D]
-                combined = self._combine(mix, edge, layers, which, k)
-                if combined is not mix:
-                    mix.copy_(combined)
+                self._combine_(mix, edge, layers, which, k)
         for layer in self.config.skip_layers:
             if layer < n_layers:
                 out_k[layer] = 0.0
                 out_v[layer] = 0.0
         return KVDelta(out_k, out_v)
 
-    def _combine(
-        self, mix: torch.Tensor, edge: Optional[Edge], layers: slice, which: int, k: int
-    ) -> torch.Tensor:
-        """Final delta [c, k, D] of a block of layers (which: 0 keys, 1 values) from the mix."""
-        return mix
+    def _combine_(self, mix: torch.Tensor, edge: Optional[Edge], layers: slice, which: int, k: int) -> None:
+        """Turn the mix [c, k, D] of a block of layers (which: 0 keys, 1 values) into the final
+        delta, in place (here: the mix is the delta)."""

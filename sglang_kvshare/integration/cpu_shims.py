@@ -9,6 +9,9 @@ the virtual environment, and only on machines without CUDA. Nothing here imports
 - ``SGLANG_USE_CPU_ENGINE=1`` selects SGLang's CPU code paths, which import names from
   ``sgl_kernel`` (a CUDA-only wheel) that are never called on a CPU without AMX. A stub module
   that raises on any call stands in when the real one is absent.
+
+Not installed by the ``.pth`` file: :func:`keep_freed_memory`, which the plugin calls in the
+scheduler process (``--kvshare-keep-freed-memory``).
 """
 
 from __future__ import annotations

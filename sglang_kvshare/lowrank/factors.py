@@ -249,15 +249,15 @@ class FactorBatch:
 
         The low-rank part is one product [c, k, N r] @ [c, N r, D] with A = [w_1 A_1 | ...] and
         B = [B_1; ...] (the same form ``kernels.kv_correct`` takes)."""
+        total = None
         if self.low:
             A, B = self._low(layers)
             c, k = A.shape[:2]
             n, r = len(self.low), self.rank
             w = weights[self.low].permute(1, 2, 0).to(A.dtype)[..., None]  # [c, k, n, 1]
-            low = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B)
-            out = low.float() if out is None else out.copy_(low)
+            total = torch.bmm((A.view(c, k, n, r) * w).view(c, k, n * r), B)  # in compute_dtype
         if self.dense:
             w = weights[self.dense].float()
             d = (w[..., None] * self._dense(layers)).sum(0)
-            out = d if out is None else out.add_(d) if self.low else out.copy_(d)
-        return out
+            total = d if total is None else d.add_(total)
+        return total.float() if out is None else out.copy_(total)

@@ -33,12 +33,22 @@ def kv_layers(pool):
         yield pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
 
 
-def stack_kv(pool, idx: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_kv(pool, idx: torch.Tensor, dim: int = 1, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of slots ``idx`` in every layer, stacked along ``dim`` (1: ``[n, L, H, D]``,
-    0: ``[L, n, H, D]``)."""
+    0: ``[L, n, H, D]``), in ``dtype`` (default: the pool's). Each layer's rows are written
+    straight into the result (converted on the way), not stacked from per-layer copies."""
     layers = list(kv_layers(pool))
-    return (torch.stack([k_buf[idx] for k_buf, _ in layers], dim=dim),
-            torch.stack([v_buf[idx] for _, v_buf in layers], dim=dim))
+
+    def empty(buf):
+        shape = [len(idx), *buf.shape[1:]]
+        shape.insert(dim, len(layers))
+        return torch.empty(shape, dtype=dtype or buf.dtype, device=buf.device)
+
+    k, v = empty(layers[0][0]), empty(layers[0][1])
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        k.select(dim, layer).copy_(k_buf[idx])
+        v.select(dim, layer).copy_(v_buf[idx])
+    return k, v
 
 
 @contextmanager
@@ -81,21 +91,14 @@ def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSp
 @torch.no_grad()
 def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``) as float32 [L, n, H*D], keys at 0
-    (float32 so that the rotation, the correction and the write each round once, in place).
-    Each layer's rows are converted straight into the result: no stacked copy in the pool's
-    dtype first."""
+    (float32 so that the rotation, the correction and the write each round once, in place)."""
     idx = idx.to(torch.int64)
-    layers = list(kv_layers(pool))
-    n, (H, D) = len(idx), layers[0][0].shape[1:]
-    k = torch.empty(len(layers), n, H, D, dtype=torch.float32, device=idx.device)
-    v = torch.empty_like(k)
-    for layer, (k_buf, v_buf) in enumerate(layers):
-        k[layer].copy_(k_buf[idx])
-        v[layer].copy_(v_buf[idx])
+    k, v = stack_kv(pool, idx, dim=0, dtype=torch.float32)  # [L, n, H, D]
+    L, n, H, D = k.shape
     if views is not None:
         k = views.align_keys(k, idx, start, rope, dim=0).contiguous()  # float32 in, float32 out
     k = rotate_keys_(k, -start, rope)
-    return SegmentKV(k.view(len(layers), n, H * D), v.view(len(layers), n, H * D))
+    return SegmentKV(k.view(L, n, H * D), v.view(L, n, H * D))
 
 
 @torch.no_grad()
