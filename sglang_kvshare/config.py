@@ -59,6 +59,13 @@ class KVShareArgs:
         "else copies; 'off' always writes a re-rotated copy into the request's own slots",
         choices=lambda: ["on", "off"],
     )
+    leaf_rank: int = _flag(
+        8,
+        "with KV views: a later agent whose KVCMAS correction the gate accepts reads the shared "
+        "segment in the source's slots plus the correction as a low-rank leaf of this rank per "
+        "layer (keys and values; 8 kept all of the correction's gain in benchmarks.leaf_study, "
+        "docs/results.md); 0: the corrected segment is written as a copy into the agent's own slots",
+    )
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
@@ -161,6 +168,7 @@ class KVShareArgs:
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
             ("kv_views", self.kv_views in ("on", "off"), "'on' or 'off'"),
+            ("leaf_rank", self.leaf_rank >= 0, ">= 0"),
             ("keep_freed_memory", self.keep_freed_memory in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),

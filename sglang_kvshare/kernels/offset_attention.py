@@ -12,6 +12,11 @@ gathered and each turned forward by its own shift, so they cost one attention ca
 The pieces are merged by their log-sum-exp (split-KV attention). Plain torch, the reference of
 a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_attention``).
 
+A KV leaf (``KeyLeaf``): some keys and values are read as the cached ones plus a low-rank
+correction (an accepted KVCMAS correction kept as ``A @ B`` beside the source's KV instead of a
+corrected copy). Those keys are gathered with the rest and corrected per layer before they are
+turned; the runs attended in place carry no leaf.
+
 - ``offset_decode_attention``: one decode query over a ``KeyPlan``.
 - ``offset_extend_attention``: an extend's queries over a request's slots: the keys before the
   first query (every query sees them) by their plan, the rest gathered, causally (an extend) or
@@ -22,14 +27,59 @@ a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_atte
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from sglang_kvshare.kernels.split_decode import MIN_RUN, merge_pieces
 from sglang_kvshare.rope.align import RopeSpec, rotate
 
+if TYPE_CHECKING:
+    from sglang_kvshare.lowrank import LowRank
+
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class KeyLeaf(NamedTuple):
+    """Low-rank corrections of rows ``pos`` [m] (positions in a request's slots) of its keys and
+    values: ``k`` and ``v`` are ``LowRank`` with A [L, m, R], B [L, R, H * D] (one per layer; keys
+    in the RoPE frame of the cached rows they correct)."""
+
+    pos: torch.Tensor
+    k: "LowRank"
+    v: "LowRank"
+
+    def rows_of(self, n: int) -> torch.Tensor:
+        """[n] int64: the leaf row of each of the first ``n`` positions, -1 where it has none."""
+        rows = torch.full((n,), -1, dtype=torch.int64, device=self.pos.device)
+        inside = self.pos < n
+        rows[self.pos[inside]] = torch.arange(self.pos.numel(), device=self.pos.device)[inside]
+        return rows
+
+
+def leaf_part(leaf: Optional[KeyLeaf], rows_of: Optional[torch.Tensor], positions: torch.Tensor):
+    """The leaf rows of gathered ``positions``: (selected rows of the piece, their leaf rows,
+    leaf), or None when none carries one."""
+    if leaf is None:
+        return None
+    rows = rows_of[positions]
+    sel = torch.nonzero(rows >= 0).flatten()
+    return None if sel.numel() == 0 else (sel, rows[sel], leaf)
+
+
+def with_leaf(k: torch.Tensor, v: torch.Tensor, part, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gathered k, v [n, H, D] (copies the caller owns) with ``layer``'s leaf rows of ``part``
+    (``leaf_part``) added, in float32 and cast back."""
+    if part is None:
+        return k, v
+    sel, rows, leaf = part
+    H, D = k.shape[1:]
+    out = []
+    for x, f in ((k, leaf.k), (v, leaf.v)):
+        y = x.float()
+        y[sel] += (f.A[layer, rows].float() @ f.B[layer].float()).view(-1, H, D)
+        out.append(y.to(x.dtype))
+    return out[0], out[1]
 
 
 class KeyPlan(NamedTuple):
@@ -38,12 +88,13 @@ class KeyPlan(NamedTuple):
     turns a query back by it (``x @ M``: one small matmul; built at the first use, kept for the
     other layers); ``rest``: the other slots (gathered) and ``rest_turn``:
     (cos, sin) [len(rest), rotary_dim // 2] turning each of them forward by its shift (None:
-    none is shifted)."""
+    none is shifted); ``rest_leaf``: the rest's rows that carry a KV leaf (``leaf_part``)."""
 
     runs: list
     q_turn: dict
     rest: Optional[torch.Tensor]
     rest_turn: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    rest_leaf: Optional[tuple] = None
 
 
 def _turn_tables(shifts: torch.Tensor, rope: RopeSpec) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -67,24 +118,31 @@ def _turn_matrix(shift: int, D: int, rope: RopeSpec, device) -> torch.Tensor:
     return _turned(eye, _turn_tables(torch.full((D,), shift, device=device), rope), rope)[:, 0, :]
 
 
-def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN) -> KeyPlan:
+def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN,
+             leaf: Optional[KeyLeaf] = None, rows_of: Optional[torch.Tensor] = None) -> KeyPlan:
     """Plan the keys in ``slots`` [n] (int) whose RoPE is ``shifts`` [n] positions earlier than
-    the request reads them: runs of >= ``min_run`` slots, the rest with its turn tables."""
+    the request reads them: runs of >= ``min_run`` slots, the rest with its turn tables. Keys
+    with a row of ``leaf`` (``rows_of``: ``leaf.rows_of``) are gathered with the rest."""
     n = slots.numel()
     if n == 0:
         return KeyPlan([], {}, None, None)
-    breaks = torch.nonzero((slots[1:] - slots[:-1] != 1) | (shifts[1:] != shifts[:-1])).flatten() + 1
-    bounds = [0, *breaks.tolist(), n]
+    cut = (slots[1:] - slots[:-1] != 1) | (shifts[1:] != shifts[:-1])
+    if leaf is not None and rows_of is None:
+        rows_of = leaf.rows_of(n)
+    leafed = None if leaf is None else rows_of[:n] >= 0
+    if leafed is not None:
+        cut |= leafed[1:] != leafed[:-1]
+    bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), n]
     runs, rest = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if b - a >= min_run:
+        if b - a >= min_run and (leafed is None or not bool(leafed[a])):
             runs.append((int(slots[a]), b - a, int(shifts[a])))
         else:
             rest.append(torch.arange(a, b, device=slots.device))
     if not rest:
         return KeyPlan(runs, {}, None, None)
     idx = torch.cat(rest)
-    return KeyPlan(runs, {}, slots[idx], _turn_tables(shifts[idx], rope))
+    return KeyPlan(runs, {}, slots[idx], _turn_tables(shifts[idx], rope), leaf_part(leaf, rows_of, idx))
 
 
 def _rows(x: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -96,10 +154,11 @@ def _rows(x: torch.Tensor, Hkv: int) -> torch.Tensor:
 
 
 def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float,
-                rope: RopeSpec) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+                rope: RopeSpec, layer: int = 0) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """(outputs, log-sum-exps) of queries q [T, Hq, D] that see every key of ``plan`` in
-    k_cache / v_cache [rows, Hkv, D], per piece [1, Hkv, T * G, Dv] and [1, Hkv, T * G] (rows
-    (t, g): KV head h's G query heads of token t), for ``merge_pieces``."""
+    k_cache / v_cache [rows, Hkv, D] (of ``layer``: the row of a KV leaf's factors), per piece
+    [1, Hkv, T * G, Dv] and [1, Hkv, T * G] (rows (t, g): KV head h's G query heads of token t),
+    for ``merge_pieces``."""
     D, Hkv = q.shape[-1], k_cache.shape[1]
     turned: dict = {}
     pieces = []
@@ -112,7 +171,8 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
             turned[shift] = _rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape), Hkv)
         pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n]))
     if plan.rest is not None:
-        pieces.append((_rows(q, Hkv), _turned(k_cache[plan.rest], plan.rest_turn, rope), v_cache[plan.rest]))
+        k, v = with_leaf(k_cache[plan.rest], v_cache[plan.rest], plan.rest_leaf, layer)
+        pieces.append((_rows(q, Hkv), _turned(k, plan.rest_turn, rope), v))
     outs, lses = [], []
     for qg, k, v in pieces:
         o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
@@ -129,16 +189,18 @@ def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:
 
 def offset_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float, rope: RopeSpec,
+    layer: int = 0,
 ) -> torch.Tensor:
     """One decode query q [Hq, D] over the keys of ``plan``: [Hq, Dv], equal to SDPA over the
-    gathered slots with each key turned by +its shift."""
-    outs, lses = plan_pieces(q.unsqueeze(0), k_cache, v_cache, plan, scale, rope)
+    gathered slots with each key turned by +its shift (and its leaf rows added)."""
+    outs, lses = plan_pieces(q.unsqueeze(0), k_cache, v_cache, plan, scale, rope, layer)
     return _heads(merge_pieces(outs, lses, q.dtype), 1, q.shape[0])[0]
 
 
 def offset_extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, shifts: torch.Tensor,
     q_pos: torch.Tensor, scale: float, rope: Optional[RopeSpec], before: Optional[KeyPlan] = None,
+    leaf: Optional[KeyLeaf] = None, layer: int = 0,
 ) -> torch.Tensor:
     """Causal attention of an extend's queries q [T, Hq, D] (at the request's positions
     ``q_pos`` [T]) over a request's keys: ``slots`` [kv] in k_cache / v_cache, key i at the
@@ -150,17 +212,21 @@ def offset_extend_attention(
     (``before``: ``key_plan`` of them, e.g. kept for the other layers). The rest are gathered and
     turned. When the queries are exactly those keys' positions (an extend), they are attended
     causally, where the kernel skips the key blocks past the diagonal (half the work of a mask);
-    otherwise (rows chosen for recomputation) under a mask by position."""
+    otherwise (rows chosen for recomputation) under a mask by position. Keys with a row of
+    ``leaf`` are corrected by it (``layer``'s factors)."""
     T, Hq, _ = q.shape
     Hkv, G = k_cache.shape[1], Hq // k_cache.shape[1]
     lo = int(q_pos.min())
+    rows_of = None if leaf is None else leaf.rows_of(slots.numel())
     if before is None:
-        before = key_plan(slots[:lo], shifts[:lo], rope)
-    outs, lses = plan_pieces(q, k_cache, v_cache, before, scale, rope)
+        before = key_plan(slots[:lo], shifts[:lo], rope, leaf=leaf, rows_of=rows_of)
+    outs, lses = plan_pieces(q, k_cache, v_cache, before, scale, rope, layer)
     tail = slots[lo:]
     if tail.numel():
-        k = _turned(k_cache[tail], _turn_tables(shifts[lo:], rope), rope).movedim(0, 1).unsqueeze(0)
-        v = v_cache[tail].movedim(0, 1).unsqueeze(0)
+        k, v = with_leaf(k_cache[tail], v_cache[tail],
+                         leaf_part(leaf, rows_of, torch.arange(lo, slots.numel(), device=slots.device)), layer)
+        k = _turned(k, _turn_tables(shifts[lo:], rope), rope).movedim(0, 1).unsqueeze(0)
+        v = v.movedim(0, 1).unsqueeze(0)
         if tail.numel() == T and torch.equal(q_pos, torch.arange(lo, lo + T, device=q_pos.device)):
             o, lse = _FLASH(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]  # [1, Hq, T, .]
             outs.append(o[0].view(Hkv, G, T, -1).permute(0, 2, 1, 3).reshape(1, Hkv, T * G, -1))  # rows (t, g)

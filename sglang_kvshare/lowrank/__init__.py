@@ -8,7 +8,8 @@ from sglang_kvshare.lowrank.factors import (
     effective_rank,
     factorize,
     native_bfloat16,
+    randomized_svd,
     truncated_svd,
 )
 
-__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "native_bfloat16", "truncated_svd"]
+__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "native_bfloat16", "randomized_svd", "truncated_svd"]

@@ -99,34 +99,77 @@ def _facts(seed: int, n: int) -> str:
     return "Question: " + " ".join(f"Fact {i}: box {i} holds {(seed * 31 + i * 7) % 90} red apples." for i in range(n)) + " Sum?"
 
 
-def test_rows_a_correction_leaves_unchanged_are_read_in_place(tiny_server):
-    """kvcmas corrects the rows its anchors cover (as long as the second-longest one); the rows
-    after them are the source's, unchanged, and are read in place. Outputs equal copy mode's."""
-    slot, agents = "q-views-rows", ("solver", "critic")
+@pytest.fixture(scope="module")
+def full_leaf_server(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("tiny-leaf32")
+    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-leaf-rank", "32")  # the tiny model's K/V width
+    yield server
+    server.stop()
 
-    def run(wf, question, **extra):
-        outputs, metas = {}, []
-        for agent in agents:
-            body = payload(wf, agent, "kvcmas", segments(agent, outputs, question=question, slot=slot), 8, tau=1.0,
-                           **extra)
-            r = tiny_server.generate(body)
-            assert r.status_code == 200, r.text
-            metas.append(r.json())
-            outputs[agent] = r.json()["text"]
-        settle(tiny_server)
-        return metas
 
-    for seed in (1, 2):  # short questions: dense fallbacks, anchors of ~80 rows
-        run(f"views-rows-warm-{seed}", _facts(seed, 5))
-    long_question = _facts(9, 24)
-    views = run("views-rows-on", long_question)[1]
-    copy = run("views-rows-off", long_question, kv_views=False)[1]
-    q = views["meta_info"]["kvshare"]["segments"][1]
-    assert q["mode"] == "corrected" and q["corrected_rows"] < q["tokens"] - MIN_VIEW_TOKENS, q
-    assert views["meta_info"]["kvshare"]["view_tokens"] == q["tokens"] - q["corrected_rows"]
-    assert copy["meta_info"]["kvshare"]["view_tokens"] == 0
-    assert copy["meta_info"]["kvshare"]["segments"][1]["corrected_rows"] == q["corrected_rows"]
-    assert views["output_ids"] == copy["output_ids"]
+def _kvcmas(server, wf: str, question: str, slot: str, **extra) -> list[dict]:
+    """The 3-agent kvcmas chain over ``question`` (gate open), greedy, with logprobs."""
+    outputs, results = {}, []
+    for agent in AGENTS:
+        body = payload(wf, agent, "kvcmas", segments(agent, outputs, question=question, slot=slot), 8, tau=1.0,
+                       **extra)
+        body["return_logprob"] = True
+        r = server.generate(body)
+        assert r.status_code == 200, r.text
+        results.append(r.json())
+        outputs[agent] = r.json()["text"]
+    settle(server)
+    return results
+
+
+def _leaf_and_copy(server, slot: str):
+    """Anchors from two short questions (dense fallbacks), then one long question with KV
+    leaves and in copy mode: (leaf results, copy results, tree growth of each)."""
+    for seed in (1, 2):
+        _kvcmas(server, f"{slot}-warm-{seed}", _facts(seed, 5), slot)
+    question, grown, runs = _facts(9, 24), {}, {}
+    for mode, extra in (("leaf", {}), ("copy", {"kv_views": False})):
+        before = settle(server)["tree_tokens"]
+        runs[mode] = _kvcmas(server, f"{slot}-{mode}", question, slot, **extra)
+        grown[mode] = settle(server)["tree_tokens"] - before
+    return runs["leaf"], runs["copy"], grown
+
+
+def test_full_rank_leaves_generate_as_copy_mode(full_leaf_server):
+    """An accepted correction kept as view + leaf at full rank (the tiny model's 32 K/V columns)
+    is what a corrected copy holds, along the chain (each later agent corrected from the one
+    before, whose leaf it inherits): the same greedy tokens and logprobs as copy mode, while the
+    tree holds the question once. A flush drops every leaf."""
+    leaf, copy, grown = _leaf_and_copy(full_leaf_server, "q-leaf-full")
+    for lr, cr in zip(leaf[1:], copy[1:]):
+        ml, mc = lr["meta_info"]["kvshare"], cr["meta_info"]["kvshare"]
+        q, qc = ml["segments"][1], mc["segments"][1]
+        assert q["mode"] == qc["mode"] == "corrected" and q["leaf_rank"] == 32, q
+        assert q["corrected_rows"] == qc["corrected_rows"] > 0 and "leaf_rank" not in qc
+        assert ml["view_tokens"] >= q["tokens"] and mc["view_tokens"] == 0
+        assert lr["output_ids"] == cr["output_ids"]
+        ll = [t[0] for t in lr["meta_info"]["output_token_logprobs"]]
+        lc = [t[0] for t in cr["meta_info"]["output_token_logprobs"]]
+        assert ll == pytest.approx(lc, abs=1e-3)
+    assert grown["leaf"] <= grown["copy"] - 2 * leaf[1]["meta_info"]["kvshare"]["segments"][1]["tokens"]
+    stats = settle(full_leaf_server)
+    assert stats["leaves"] >= 2 and stats["leaf_bytes"] > 0
+    flush_cache(full_leaf_server)
+    stats = settle(full_leaf_server)
+    assert stats["leaves"] == 0 and stats["leaf_bytes"] == 0 and stats["double_frees"] == 0
+
+
+def test_default_leaves_are_rank_8_and_smaller_than_the_copy(tiny_server):
+    """At the default rank an accepted correction reads the source's slots and a rank-8 leaf
+    (fewer bytes than the corrected rows' K/V) instead of a copy."""
+    leaf, copy, grown = _leaf_and_copy(tiny_server, "q-leaf-8")
+    q = leaf[1]["meta_info"]["kvshare"]["segments"][1]
+    assert q["mode"] == "corrected" and q["leaf_rank"] == 8, q
+    assert leaf[1]["meta_info"]["kvshare"]["view_tokens"] >= q["tokens"]
+    kv_bytes = leaf[1]["meta_info"]["kvshare"].get("kv_bytes_per_token")
+    if kv_bytes:
+        assert q["leaf_bytes"] < q["corrected_rows"] * kv_bytes
+    assert grown["leaf"] < grown["copy"]
 
 
 def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):

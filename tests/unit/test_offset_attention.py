@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvshare.kernels.offset_attention import key_plan, offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.offset_attention import KeyLeaf, key_plan, offset_decode_attention, offset_extend_attention
+from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
 
 D = 16
@@ -90,3 +91,47 @@ def test_keys_at_their_own_positions_equal_sdpa_under_the_prefix_mask(rows):
     unmasked = scaled_dot_product_attention(q.transpose(0, 1)[None], k_true.transpose(0, 1)[None],
                                             v.transpose(0, 1)[None], scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
     assert (out - unmasked).abs().max() > 1e-3  # the mask matters: a query must not see later keys
+
+
+def _leaf(hkv, n_layers=2, rank=3, seed=4):
+    """A KV leaf on positions 120:480 (inside the first shared span) and 650:660 (the request's
+    own tail), rank ``rank`` in each of ``n_layers`` layers; and its dense rows per layer."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(120, 480), torch.arange(650, 660)])
+    factors = [LowRank(0.3 * torch.randn(n_layers, len(pos), rank, generator=g),
+                       torch.randn(n_layers, rank, hkv * D, generator=g)) for _ in range(2)]
+    leaf = KeyLeaf(pos, *factors)
+    dense = [f.reconstruct().view(n_layers, len(pos), hkv, D) for f in factors]
+    return leaf, dense
+
+
+@pytest.mark.parametrize("case", ["extend", "rows", "decode"])
+def test_leaf_rows_equal_sdpa_over_corrected_copies(case):
+    """A KV leaf (a low-rank correction beside the cached K/V, keys in the cached rows' RoPE
+    frame) attends as a copy holding the corrected K/V would, in every layer's factors."""
+    hq, hkv, layer = 6, 2, 1
+    k_true, k_cached, v, shifts, q_all = _request(hq, hkv, seed=5)
+    leaf, (dk, dv) = _leaf(hkv)
+    k_fixed, v_fixed = k_cached.clone(), v.clone()
+    k_fixed[leaf.pos] += dk[layer]
+    v_fixed[leaf.pos] += dv[layer]
+    k_ref = shift_keys(k_fixed, shifts, ROPE)  # the corrected keys as a copy at the request's positions
+    slots = torch.arange(700)
+    if case == "decode":
+        q_pos = torch.tensor([699])
+        q = shift_keys(q_all[699:], q_pos, ROPE)
+        plan = key_plan(slots, shifts, ROPE, leaf=leaf)
+        assert all(not (s <= 120 < s + n or s < 480 <= s + n) for s, n, _ in plan.runs)  # leaf rows are gathered
+        out = offset_decode_attention(q[0], k_cached, v, plan, D ** -0.5, ROPE, layer)[None]
+    else:
+        q_pos = torch.arange(600, 700) if case == "extend" else torch.tensor([130, 131, 400, 655, 690])
+        q = shift_keys(q_all[q_pos], q_pos, ROPE)
+        out = offset_extend_attention(q, k_cached, v, slots, shifts, q_pos, D ** -0.5, ROPE, leaf=leaf, layer=layer)
+    mask = torch.arange(700)[None, :] <= q_pos[:, None]
+    ref = scaled_dot_product_attention(q.transpose(0, 1)[None], k_ref.transpose(0, 1)[None],
+                                       v_fixed.transpose(0, 1)[None], attn_mask=mask, scale=D ** -0.5,
+                                       enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # negative control: another layer's factors correct the keys differently
+    other = offset_extend_attention(q, k_cached, v, slots, shifts, q_pos, D ** -0.5, ROPE, leaf=leaf, layer=0)
+    assert (other - ref).abs().max() > 1e-3

@@ -78,24 +78,30 @@ def _moved(keys: torch.Tensor, delta: int, rope: RopeSpec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSpec, views=None):
-    """K/V of slots ``src`` (a segment at ``start``) in every layer, keys moved ``delta`` positions
-    (one RoPE rotation for all layers at once; ``views``' rows first brought to ``start + i``):
-    (k, v) each ``[n, num_layers, kv_heads, head_dim]``."""
+def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSpec, views=None,
+                   agent: Optional[str] = None):
+    """K/V of slots ``src`` (a segment at ``start``, as ``agent`` reads it) in every layer, keys
+    moved ``delta`` positions (one RoPE rotation for all layers at once; ``views``' rows first
+    brought to ``start + i``, the agent's KV leaves added): (k, v) each
+    ``[n, num_layers, kv_heads, head_dim]``."""
     keys, values = stack_kv(pool, src)
     if views is not None:
+        keys, values = views.add_leaves(keys, values, src, agent, dim=1)
         keys = views.align_keys(keys, src, start, rope, dim=1)
     return _moved(keys, delta, rope), values
 
 
 @torch.no_grad()
-def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None) -> SegmentKV:
-    """K/V of slots ``idx`` (a segment that starts at ``start``) as float32 [L, n, H*D], keys at 0
-    (float32 so that the rotation, the correction and the write each round once, in place)."""
+def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None,
+                     agent: Optional[str] = None) -> SegmentKV:
+    """K/V of slots ``idx`` (a segment that starts at ``start``, as ``agent`` reads it: with its
+    KV leaves) as float32 [L, n, H*D], keys at 0 (float32 so that the rotation, the correction
+    and the write each round once, in place)."""
     idx = idx.to(torch.int64)
     k, v = stack_kv(pool, idx, dim=0, dtype=torch.float32)  # [L, n, H, D]
     L, n, H, D = k.shape
     if views is not None:
+        k, v = views.add_leaves(k, v, idx, agent, dim=0)
         k = views.align_keys(k, idx, start, rope, dim=0).contiguous()  # float32 in, float32 out
     k = rotate_keys_(k, -start, rope)
     return SegmentKV(k.view(L, n, H * D), v.view(L, n, H * D))

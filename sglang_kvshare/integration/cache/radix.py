@@ -117,7 +117,8 @@ class KVShareRadixCache(RadixCache):
         for slot, start, end in spans:
             idx = row[start:end].to(torch.int64)
             k, v = stack_kv(pool, idx, dim=0)
-            if self.session.views is not None:  # as the request reads them: at its positions
+            if self.session.views is not None:  # as the request reads them: at its positions, with its leaves
+                k, v = self.session.views.add_leaves(k, v, idx, st.spec.agent, dim=0)
                 k = self.session.views.align_keys(k, idx, start, self.session.rope, dim=0)
             k, v = k.float(), v.float()
             record = {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
@@ -143,7 +144,7 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
     allocator = ctx.params.token_to_kv_pool_allocator
     why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")
     if session.args.kv_views == "on" and why_not is None:
-        session.views = KVViews(allocator.size + 1, allocator.device)  # slot 0 is padding
+        session.views = KVViews(allocator.size + 1, allocator.device, session.args.leaf_rank)  # slot 0 is padding
         logger.info("kvshare KV views on: later agents read shared segments in the source's slots")
     elif session.args.kv_views == "on":
         logger.info("kvshare KV views off (%s): later agents copy shared segments", why_not)

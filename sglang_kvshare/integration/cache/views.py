@@ -17,6 +17,9 @@ Spans shorter than ``MIN_VIEW_TOKENS`` are copied (``scheduler/inject.py``): a v
 little memory, and attention could not read them in place (shorter runs are gathered, and their
 keys would each be turned in every layer and decode step).
 
+With ``--kvshare-leaf-rank`` > 0, ``leaves`` (``leaves.py``) holds the low-rank corrections
+that agents read beside shared slots (an accepted KVCMAS correction as view + leaf).
+
 The radix tree counts a shared slot once per node that holds it; ``cache/radix.py`` subtracts the
 extra references from its evictable size, so SGLang's accounting (available + evictable +
 protected == total when idle) stays exact.
@@ -29,6 +32,7 @@ from typing import Optional
 
 import torch
 
+from sglang_kvshare.integration.cache.leaves import KVLeaves
 from sglang_kvshare.integration.hookspec import HookSet
 from sglang_kvshare.kernels.split_decode import MIN_RUN
 from sglang_kvshare.rope import RopeSpec, shift_keys
@@ -48,7 +52,9 @@ class KVViews:
     """Reference counts and RoPE positions of the shared slots of one token-to-KV pool with
     ``num_slots`` rows."""
 
-    def __init__(self, num_slots: int, device) -> None:
+    def __init__(self, num_slots: int, device, leaf_rank: int = 0) -> None:
+        self.leaf_rank = leaf_rank
+        self.leaves = KVLeaves(num_slots, device) if leaf_rank > 0 else None
         self.rope_pos = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.extra = torch.zeros(num_slots, dtype=torch.int32, device=device)
         self.extra_total = 0  # sum of ``extra``
@@ -60,6 +66,8 @@ class KVViews:
         self.rope_pos.fill_(-1)
         self.extra.zero_()
         self.extra_total = self.marked = 0
+        if self.leaves is not None:
+            self.leaves.clear()
 
     def share(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """One more holder reads ``slots`` (distinct, int64) in place; their keys carry RoPE at
@@ -70,11 +78,35 @@ class KVViews:
         self.rope_pos[slots[unset]] = positions.to(self.rope_pos.device)[unset]
         self.marked += int(unset.sum())
 
-    def read_in_place(self, st, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Request state ``st`` reads ``slots`` (keys at RoPE ``positions``) as a view; returns them."""
+    def readable(self, source_agent: str, spec, slots: torch.Tensor) -> bool:
+        """Whether a request with wire ``spec`` may read ``slots`` of ``source_agent`` as a view:
+        the leaves it would inherit do not collide with its own (``KVLeaves.compatible``)."""
+        return self.leaves is None or self.leaves.compatible(source_agent, spec.agent, slots)
+
+    def read_in_place(self, st, slots: torch.Tensor, positions: torch.Tensor, source_agent: str) -> torch.Tensor:
+        """Request state ``st`` reads ``slots`` (keys at RoPE ``positions``) of ``source_agent``
+        as a view (with that agent's leaves on them, ``readable``); returns them."""
         self.share(slots, positions)
+        if self.leaves is not None:
+            self.leaves.inherit(source_agent, st.spec.agent, slots)
         st.view_tokens += slots.numel()
         return slots
+
+    def add_leaves(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, agent: Optional[str],
+                   dim: int):
+        """Keys and values gathered from ``slots`` (``[L, n, H, D]`` with ``dim=0``, or
+        ``[n, L, H, D]``) as ``agent`` reads them: its leaves added (keys in the slots' RoPE
+        frame, before ``align_keys``). New tensors where a leaf applies, else the inputs."""
+        if self.leaves is None or agent is None:
+            return keys, values
+        dense = self.leaves.dense(agent, slots.to(torch.int64), keys.shape[dim])
+        if dense is None:
+            return keys, values
+        out = []
+        for x, d in zip((keys, values), dense):
+            d = d.view(d.shape[0], d.shape[1], *x.shape[-2:])
+            out.append((x.float() + (d if dim == 0 else d.transpose(0, 1))).to(x.dtype))
+        return out[0], out[1]
 
     def release(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots of ``idx`` (one holder each per occurrence) that no holder keeps any more:
@@ -84,6 +116,8 @@ class KVViews:
         shared = self.extra[idx] > 0
         if not bool(shared.any()):
             self._unmark(idx)
+            if self.leaves is not None:
+                self.leaves.drop(idx)
             return idx
         slots, counts = torch.unique(idx, return_counts=True)
         extra = self.extra[slots]
@@ -96,6 +130,8 @@ class KVViews:
             logger.error("kvshare views: %d slots freed more often than held", int((over > 1).sum()))
         freed = slots[over > 0].to(idx.dtype)
         self._unmark(freed)
+        if self.leaves is not None:
+            self.leaves.drop(freed)
         return freed
 
     def _unmark(self, slots: torch.Tensor) -> None:
@@ -135,7 +171,7 @@ class KVViews:
 
     def stats(self) -> dict:
         return {"shared_slot_refs": self.extra_total, "view_slots": self.marked,
-                "double_frees": self.double_frees}
+                "double_frees": self.double_frees} | ({} if self.leaves is None else self.leaves.stats())
 
 
 def views_unsupported(model_runner, session):

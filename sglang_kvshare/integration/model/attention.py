@@ -6,7 +6,9 @@ sequence to itself. Here the new queries alone attend to the prefix (its long ru
 causally to themselves (``kernels.offset_attention``). Decode attends each request's long runs
 of KV slots in place (``kernels.split_decode``); every other case stays stock. A request that
 reads KV views (``cache/views.py``: keys rotated for other positions) is attended the same way,
-long runs of one RoPE offset with the query turned back, the other keys turned forward.
+long runs of one RoPE offset with the query turned back, the other keys turned forward; one
+with KV leaves (``cache/leaves.py``) gathers the leaf rows and adds their correction per layer
+(``model/request_keys.py`` plans each request's keys).
 
 During selective recomputation (``recompute_layer.py``) a decoder layer may run a subset of the
 extend's rows; their queries then attend by position (``_forward_rows``).
@@ -30,8 +32,9 @@ from torch.nn.functional import scaled_dot_product_attention
 from sglang_kvshare.integration.cache.views import views_unsupported
 from sglang_kvshare.integration.model.lr_pool import LRCache, paged_indices
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
-from sglang_kvshare.kernels.offset_attention import KeyPlan, key_plan, offset_decode_attention, offset_extend_attention
-from sglang_kvshare.kernels.split_decode import slot_runs, split_decode_attention
+from sglang_kvshare.integration.model.request_keys import RequestKeys
+from sglang_kvshare.kernels.offset_attention import KeyPlan, offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.split_decode import split_decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +48,6 @@ def prefix_causal_mask(q_len: int, prefix_len: int, device) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-def _unshifted(slots: torch.Tensor) -> torch.Tensor:
-    """Shifts 0 for keys read at their own positions: ``offset_extend_attention`` then attends
-    the keys before the first query in place (no gather) and an extend's own keys causally,
-    where SDPA's mask over a prefix makes the CPU kernel compute every key block."""
-    return torch.zeros(len(slots), dtype=torch.int64, device=slots.device)
-
-
 class KVShareTorchAttnBackend(TorchNativeAttnBackend):
     """``session``: the plugin's session (its forward state, and the LR cache this backend
     creates with ``--kvshare-lr-cache``)."""
@@ -62,6 +58,8 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         self.session = session
         session.runner = model_runner  # its pools are the ones recompute jobs write
         session.views_unsupported = views_unsupported(model_runner, session)
+        self.keys = RequestKeys(session, model_runner)
+        self.layer_id = 0  # of the layer now attending (a KV leaf's factors are per layer)
         self.lr = None
 
     def init_forward_metadata(self, forward_batch):
@@ -76,6 +74,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             fwd.lr_columns = self.lr.columns(forward_batch)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self.layer_id = layer.layer_id
         fwd = self.session.running_forward(forward_batch)
         running = None if fwd is None else fwd.running
         if running is not None:
@@ -91,6 +90,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                                 forward_batch.extend_seq_lens_cpu)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        self.layer_id = layer.layer_id
         if not self._lr_layer(layer):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
@@ -115,12 +115,11 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             sel = sel.to(q.device)
             q_pos = prefix + dev_rows[sel] - start
             slots = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[i], : prefix + n]
-            shifts = self._key_shifts(i, slots)
-            if shifts is None and k_cache.dtype == q.dtype:
-                shifts = _unshifted(slots)  # the keys before the first row in place
+            # the keys before the first row in place
+            shifts, leaf = self.keys.read(i, slots, own_positions=k_cache.dtype == q.dtype)
             if shifts is not None:
                 out[sel] = offset_extend_attention(q_[sel], k_cache, v_cache, slots, shifts, q_pos, layer.scaling,
-                                                   self._rope())
+                                                   self.keys.rope(), leaf=leaf, layer=layer.layer_id)
                 continue
             keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
             values = v_cache[slots].transpose(0, 1).to(q.dtype)
@@ -131,32 +130,6 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             )
             out[sel] = o.squeeze(0).transpose(0, 1)
         return out.reshape(-1, heads * v_dim)
-
-    def _rope(self):
-        return self.session.rope_of(self.model_runner)
-
-    def _kept(self, store: str, i: int, seq_lens, build):
-        """``build()``, kept in the running forward's ``store`` dict under request ``i`` for the
-        other layers when ``seq_lens`` is that forward's (None: the one begun)."""
-        fwd = self.session.forward
-        if fwd is None or (seq_lens is not None and fwd.batch.seq_lens is not seq_lens):
-            return build()  # not the forward the backend began: compute without keeping
-        kept = getattr(fwd, store)
-        if i not in kept:
-            kept[i] = build()
-        return kept[i]
-
-    def _key_shifts(self, i: int, slots: torch.Tensor, seq_lens=None):
-        """Request ``i``'s per-key RoPE offsets over its slots ``slots`` (KV views,
-        ``cache/views.py``), or None when it reads every key at its own position."""
-        views = self.session.views
-        if views is None or views.marked == 0:
-            return None
-        return self._kept("key_shifts", i, seq_lens, lambda: views.offsets(slots))
-
-    def _prefix_plan(self, i: int, slots, shifts, seq_lens) -> KeyPlan:
-        """Request ``i``'s ``KeyPlan`` of the keys before its extend."""
-        return self._kept("key_plans", i, seq_lens, lambda: key_plan(slots, shifts, self._rope()))
 
     def _lr_layer(self, layer) -> bool:
         return (
@@ -219,22 +192,18 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             fwd = None  # not the forward the backend began: plan without keeping it
         runs = None if fwd is None else fwd.decode_runs
         if runs is None:
-            runs = [self._decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
+            runs = [self.keys.decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
                     for i, n in enumerate(seq_lens.tolist())]
             if fwd is not None:
                 fwd.decode_runs = runs
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for i, parts in enumerate(runs):
             if isinstance(parts, KeyPlan):  # the request reads KV views
-                output[i] = offset_decode_attention(query[i], k_cache, v_cache, parts, scale, self._rope())
+                output[i] = offset_decode_attention(query[i], k_cache, v_cache, parts, scale, self.keys.rope(),
+                                                    self.layer_id)
             else:
                 output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
         return output
-
-    def _decode_parts(self, i: int, slots: torch.Tensor, seq_lens):
-        """Request ``i``'s slots as ``SlotRuns``, or, when it reads KV views, its ``KeyPlan``."""
-        shifts = self._key_shifts(i, slots, seq_lens)
-        return slot_runs(slots) if shifts is None else key_plan(slots, shifts, self._rope())
 
     def _run_sdpa_forward_extend(
         self,
@@ -269,15 +238,15 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             prefix_len = int(extend_prefix_lens[i])
             kv_len = int(seq_lens[i])
             tokens = req_to_token[req_pool_indices[i], :kv_len]
-            shifts = self._key_shifts(i, tokens, seq_lens)
-            if shifts is None and prefix_len > 0 and k_cache.dtype == query.dtype:
-                shifts = _unshifted(tokens)  # the prefix in place and the extend causal, not under a mask
-            if shifts is not None:  # KV views: keys rotated for other positions
+            # the prefix in place and the extend causal, not under a mask
+            shifts, leaf = self.keys.read(i, tokens, seq_lens, prefix_len > 0 and k_cache.dtype == query.dtype)
+            if shifts is not None:  # KV views (keys rotated for other positions), leaves
                 output[start_q : start_q + q_len] = offset_extend_attention(
                     query[start_q : start_q + q_len], k_cache, v_cache, tokens, shifts,
                     torch.arange(prefix_len, prefix_len + q_len, device=query.device),
-                    query.shape[-1] ** -0.5 if scaling is None else scaling, self._rope(),
-                    self._prefix_plan(i, tokens[:prefix_len], shifts[:prefix_len], seq_lens),
+                    query.shape[-1] ** -0.5 if scaling is None else scaling, self.keys.rope(),
+                    self.keys.prefix_plan(i, tokens[:prefix_len], shifts[:prefix_len], leaf, seq_lens),
+                    leaf, self.layer_id,
                 )
                 start_q += q_len
                 continue

@@ -38,6 +38,7 @@ from sglang_kvshare.integration.cache.kv_io import (
     read_source,
     write_canonical,
 )
+from sglang_kvshare.integration.cache.leaves import canonical, leaf_factors, uniform_offset
 from sglang_kvshare.integration.cache.views import viewable
 from sglang_kvshare.integration.scheduler.recompute_jobs import rows_job, unsupported
 from sglang_kvshare.kernels.kv_correct import kv_correct
@@ -103,8 +104,9 @@ def correct_segment(
             ref = None if ref_rec is None else held.enter_context(read_source(tree, ref_rec, num_tokens, whole=True))
             if ref is None:
                 return None
-        source = gather_canonical(pool, src, rec.start, rope, ses.views)
-        reference = gather_canonical(pool, ref, ref_rec.start, rope, ses.views) if ref is not None else None
+        source = gather_canonical(pool, src, rec.start, rope, ses.views, rec.agent)
+        reference = (gather_canonical(pool, ref, ref_rec.start, rope, ses.views, ref_rec.agent)
+                     if ref is not None else None)
         if fused is None:
             fused = src.is_cuda
         controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
@@ -144,14 +146,20 @@ def correct_segment(
                 corrected = apply_delta(reference or source, source, result.delta, result.corrected_len)
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
-        # rows past the corrected ones are the source's, unchanged: read in place (KV views)
         k = result.corrected_len
-        in_place = num_tokens - k if not fused and viewable(ses.views, st.spec, num_tokens - k) else 0
+        if not fused and reference is None:  # the source's slots in place, the correction as a leaf
+            viewed = _read_with_leaf(ses, st, record, rec, src, result.delta, k, num_tokens, rope, pool)
+            if viewed is not None:
+                return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=viewed)
+        # rows past the corrected ones are the source's, unchanged: read in place (KV views)
+        in_place = (num_tokens - k if not fused and viewable(ses.views, st.spec, num_tokens - k)
+                    and ses.views.readable(rec.agent, st.spec, src[k:num_tokens]) else 0)
         dst = alloc_slots(scheduler, req, span.start, num_tokens - in_place)
         if dst is None:
             return None
         if in_place:
-            viewed = ses.views.read_in_place(st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens))
+            viewed = ses.views.read_in_place(st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens),
+                                             rec.agent)
             dst = torch.cat([dst.to(viewed.dtype), viewed])
         if fused:
             base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
@@ -163,6 +171,38 @@ def correct_segment(
             kv = apply_delta(reference or source, source, result.delta, k, inplace=True)
             write_canonical(pool, dst[: num_tokens - in_place], kv, span.start, rope)
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
+
+
+def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool) -> Optional[torch.Tensor]:
+    """An accepted correction of rows ``:k`` of ``n`` kept as KV view + leaf (``cache/leaves.py``):
+    the request reads the source's slots, which it returns, with the correction (and any leaf the
+    source agent reads them with) as a rank ``--kvshare-leaf-rank`` leaf. None where it cannot:
+    leaves off, copy mode asked for, the agent already has a leaf on these slots, or the
+    segment's keys do not carry RoPE at one offset from its rows."""
+    views = ses.views
+    leaves = None if views is None else views.leaves
+    if leaves is None or st.spec.kv_views is False:
+        return None
+    slots = src[:n]
+    if leaves.has(st.spec.agent, slots):
+        return None
+    p0 = uniform_offset(views.rope_pos[slots], rec.start)
+    if p0 is None:
+        return None
+    k_buf = next(kv_layers(pool))[0]
+    L, head_dim = delta.k.shape[0], k_buf.shape[-1]
+    inherited = leaves.dense(rec.agent, slots, L)
+    rows = n if inherited is not None else k
+    if rows:
+        dk, dv = delta.k[:, :k], delta.v[:, :k]
+        if inherited is not None:  # the source agent's leaf and this correction on top of it
+            dk, dv = canonical(inherited[0], p0, rope, head_dim), inherited[1]
+            dk[:, :k] += delta.k[:, :k]
+            dv[:, :k] += delta.v[:, :k]
+        fk, fv = leaf_factors(dk, dv, p0, views.leaf_rank, rope, head_dim, k_buf.dtype)
+        leaves.attach(st.spec.agent, slots[:rows], fk, fv)
+        record.update(leaf_rank=fk.rank, leaf_bytes=fk.nbytes + fv.nbytes)
+    return views.read_in_place(st, slots, torch.arange(rec.start, rec.start + n), rec.agent)
 
 
 def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool) -> None:
@@ -208,7 +248,7 @@ def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:
         if span.start + obs.num_tokens > owned:
             continue
         idx = row[span.start : span.start + obs.num_tokens]
-        target = gather_canonical(pool, idx, span.start, rope, ses.views)
+        target = gather_canonical(pool, idx, span.start, rope, ses.views, st.spec.agent)
         if obs.shadow is not None:
             error = relative_error(obs.shadow, target)
             controller.observe_error(obs.entropy, error)

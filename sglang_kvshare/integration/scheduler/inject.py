@@ -55,8 +55,8 @@ def _inject(ses, scheduler, req, st, span, rec, num_tokens, rope) -> Optional[In
     with read_source(scheduler.tree_cache, rec, num_tokens) as src:
         if src is None:
             return None
-        if viewable(ses.views, st.spec, len(src)):
-            ses.views.read_in_place(st, src, torch.arange(rec.start, rec.start + len(src)))
+        if viewable(ses.views, st.spec, len(src)) and ses.views.readable(rec.agent, st.spec, src):
+            ses.views.read_in_place(st, src, torch.arange(rec.start, rec.start + len(src)), rec.agent)
             return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=src)
         dst = alloc_slots(scheduler, req, span.start, len(src))
         if dst is None:
@@ -67,7 +67,7 @@ def _inject(ses, scheduler, req, st, span, rec, num_tokens, rope) -> Optional[In
             for k_buf, v_buf in kv_layers(pool):
                 kv_correct(k_buf, v_buf, src, dst64, delta, rope)
         else:
-            write_layers(pool, dst64, *gather_aligned(pool, src, rec.start, delta, rope, ses.views))
+            write_layers(pool, dst64, *gather_aligned(pool, src, rec.start, delta, rope, ses.views, rec.agent))
         if ses.lr is not None:
             ses.lr.copy_rows(src, dst64)
     return InjectResult(num_tokens=len(src), source_agent=rec.agent, dst=dst)

@@ -25,7 +25,8 @@ class ForwardState:
       built by the first attention layer and shared by all the others;
     - ``key_shifts``: with KV views, each request's per-key RoPE offsets (``cache/views.py``);
     - ``key_plans``: with KV views, in an extend, each request's plan of the keys before its
-      new tokens (``kernels.offset_attention.key_plan``)."""
+      new tokens (``kernels.offset_attention.key_plan``);
+    - ``key_leaves``: with KV leaves, each request's ``KeyLeaf`` or None (``cache/leaves.py``)."""
 
     batch: Any  # the ForwardBatch
     plan: Any = _UNSET
@@ -35,6 +36,7 @@ class ForwardState:
     decode_runs: Optional[list] = None  # [bs] SlotRuns, or KeyPlans with KV views
     key_shifts: dict = field(default_factory=dict)  # request index -> per-key RoPE offsets or None
     key_plans: dict = field(default_factory=dict)  # request index -> KeyPlan of its prefix's keys
+    key_leaves: dict = field(default_factory=dict)  # request index -> KeyLeaf or None
 
     @property
     def planned(self) -> bool:
