@@ -14,8 +14,9 @@ a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_atte
 
 A KV leaf (``KeyLeaf``): some keys and values are read as the cached ones plus a low-rank
 correction (an accepted KVCMAS correction kept as ``A @ B`` beside the source's KV instead of a
-corrected copy). Those keys are gathered with the rest and corrected per layer before they are
-turned; the runs attended in place carry no leaf.
+corrected copy). A long run with a leaf is still attended in place, its leaf as two low-rank
+terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term ``(q B_k^T) A_k^T`` added
+to the scores); short leaf spans are gathered with the rest and corrected before they are turned.
 
 - ``offset_decode_attention``: one decode query over a ``KeyPlan``.
 - ``offset_extend_attention``: an extend's queries over a request's slots: the keys before the
@@ -121,8 +122,8 @@ def _turn_matrix(shift: int, D: int, rope: RopeSpec, device) -> torch.Tensor:
 def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN,
              leaf: Optional[KeyLeaf] = None, rows_of: Optional[torch.Tensor] = None) -> KeyPlan:
     """Plan the keys in ``slots`` [n] (int) whose RoPE is ``shifts`` [n] positions earlier than
-    the request reads them: runs of >= ``min_run`` slots, the rest with its turn tables. Keys
-    with a row of ``leaf`` (``rows_of``: ``leaf.rows_of``) are gathered with the rest."""
+    the request reads them: runs of >= ``min_run`` slots (first slot, length, shift, and the
+    run's rows of ``leaf`` or None; ``rows_of``: ``leaf.rows_of``), the rest with its turn tables."""
     n = slots.numel()
     if n == 0:
         return KeyPlan([], {}, None, None)
@@ -135,8 +136,9 @@ def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run:
     bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), n]
     runs, rest = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if b - a >= min_run and (leafed is None or not bool(leafed[a])):
-            runs.append((int(slots[a]), b - a, int(shifts[a])))
+        if b - a >= min_run:
+            part = None if leafed is None or not bool(leafed[a]) else (rows_of[a:b], leaf)
+            runs.append((int(slots[a]), b - a, int(shifts[a]), part))
         else:
             rest.append(torch.arange(a, b, device=slots.device))
     if not rest:
@@ -162,23 +164,44 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     D, Hkv = q.shape[-1], k_cache.shape[1]
     turned: dict = {}
     pieces = []
-    for s, n, shift in plan.runs:
+    for s, n, shift, part in plan.runs:
         if shift == 0:
             turned.setdefault(0, _rows(q, Hkv))
         elif shift not in turned:
             if shift not in plan.q_turn:
                 plan.q_turn[shift] = _turn_matrix(-shift, D, rope, q.device).to(q.dtype)
             turned[shift] = _rows((q.reshape(-1, D) @ plan.q_turn[shift]).view(q.shape), Hkv)
-        pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n]))
+        pieces.append((turned[shift], k_cache[s : s + n], v_cache[s : s + n], part))
     if plan.rest is not None:
         k, v = with_leaf(k_cache[plan.rest], v_cache[plan.rest], plan.rest_leaf, layer)
-        pieces.append((_rows(q, Hkv), _turned(k, plan.rest_turn, rope), v))
+        pieces.append((_rows(q, Hkv), _turned(k, plan.rest_turn, rope), v, None))
     outs, lses = [], []
-    for qg, k, v in pieces:
-        o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
+    for qg, k, v, part in pieces:
+        if part is None:
+            o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
+        else:
+            o, lse = _leaf_run(qg, k, v, part, layer, scale)
         outs.append(o)
         lses.append(lse)
     return outs, lses
+
+
+def _leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part, layer: int, scale: float):
+    """Query rows qg [1, Hkv, R, D] over a run of cached k, v [n, Hkv, D] read through the
+    run's leaf rows ``part`` (rows [n], KeyLeaf): scores ``q.k + (q B_k^T) A_k^T``, output
+    ``PV + (P A_v) B_v``, in float32; (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R])."""
+    rows, leaf = part
+    Hkv, D = k.shape[1], k.shape[2]
+    q = qg[0].float()  # [Hkv, R, D]
+    a_k, a_v = leaf.k.A[layer, rows].float(), leaf.v.A[layer, rows].float()  # [n, r]
+    b_k = leaf.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
+    b_v = leaf.v.B[layer].float().view(-1, Hkv, v.shape[-1]).transpose(0, 1)
+    scores = torch.baddbmm((q @ b_k.transpose(1, 2)) @ a_k.T, q, k.movedim(0, 1).float().transpose(1, 2))
+    scores.mul_(scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[..., None])
+    out = p @ v.movedim(0, 1).float() + (p @ a_v) @ b_v
+    return out.unsqueeze(0).to(qg.dtype), lse.unsqueeze(0)
 
 
 def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:

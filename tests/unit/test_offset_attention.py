@@ -66,7 +66,7 @@ def test_decode_with_offsets_equals_sdpa_over_rerotated_copies(hq, hkv):
     k_pool[slots], v_pool[slots] = k_cached, v
     q = shift_keys(q_all[699:], torch.tensor([699]), ROPE)[0]  # the decode token at position 699
     plan = key_plan(slots, shifts, ROPE)
-    assert [(s, n) for s, n, _ in plan.runs] == [(500, 400)] and plan.rest.numel() == 300  # the short span is turned per key
+    assert [(s, n) for s, n, _, _ in plan.runs] == [(500, 400)] and plan.rest.numel() == 300  # the short span is turned per key
     out = offset_decode_attention(q, k_pool, v_pool, plan, D ** -0.5, ROPE)
     ref = scaled_dot_product_attention(q[None, :, None], k_true.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        scale=D ** -0.5, enable_gqa=hq != hkv)[0, :, 0]
@@ -121,7 +121,8 @@ def test_leaf_rows_equal_sdpa_over_corrected_copies(case):
         q_pos = torch.tensor([699])
         q = shift_keys(q_all[699:], q_pos, ROPE)
         plan = key_plan(slots, shifts, ROPE, leaf=leaf)
-        assert all(not (s <= 120 < s + n or s < 480 <= s + n) for s, n, _ in plan.runs)  # leaf rows are gathered
+        # the leaf's long span is a run attended in place with its leaf, the short one gathered
+        assert [(s, n, part is not None) for s, n, _, part in plan.runs] == [(120, 360, True)]
         out = offset_decode_attention(q[0], k_cached, v, plan, D ** -0.5, ROPE, layer)[None]
     else:
         q_pos = torch.arange(600, 700) if case == "extend" else torch.tensor([130, 131, 400, 655, 690])
