@@ -188,20 +188,27 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
 
 def _leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part, layer: int, scale: float):
     """Query rows qg [1, Hkv, R, D] over a run of cached k, v [n, Hkv, D] read through the
-    run's leaf rows ``part`` (rows [n], KeyLeaf): scores ``q.k + (q B_k^T) A_k^T``, output
-    ``PV + (P A_v) B_v``, in float32; (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R])."""
+    run's leaf rows ``part`` (rows [n], KeyLeaf): scores ``q.k + (q B_k^T) A_k^T`` (the key term
+    as the kernel's additive mask), output ``PV + (P A_v) B_v`` (``P A_v`` from a second call
+    with A_v zero-padded to the head size as values: the CPU kernel needs equal head sizes);
+    (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R])."""
     rows, leaf = part
-    Hkv, D = k.shape[1], k.shape[2]
-    q = qg[0].float()  # [Hkv, R, D]
-    a_k, a_v = leaf.k.A[layer, rows].float(), leaf.v.A[layer, rows].float()  # [n, r]
+    n, Hkv, D = k.shape
+    a_k, a_v = leaf.k.A[layer, rows], leaf.v.A[layer, rows]  # [n, r]
     b_k = leaf.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
     b_v = leaf.v.B[layer].float().view(-1, Hkv, v.shape[-1]).transpose(0, 1)
-    scores = torch.baddbmm((q @ b_k.transpose(1, 2)) @ a_k.T, q, k.movedim(0, 1).float().transpose(1, 2))
-    scores.mul_(scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse[..., None])
-    out = p @ v.movedim(0, 1).float() + (p @ a_v) @ b_v
-    return out.unsqueeze(0).to(qg.dtype), lse.unsqueeze(0)
+    bias = ((qg[0].float() @ b_k.transpose(1, 2)) @ a_k.float().T).mul_(scale).to(qg.dtype).unsqueeze(0)
+    keys = k.movedim(0, 1).unsqueeze(0)
+    o, lse = _FLASH(qg, keys, v.movedim(0, 1).unsqueeze(0), attn_mask=bias, scale=scale)[:2]
+    r = a_v.shape[-1]
+    if r <= D:
+        padded = a_v.new_zeros(n, D).to(qg.dtype)
+        padded[:, :r] = a_v
+        pa = _FLASH(qg, keys, padded.expand(Hkv, n, D).unsqueeze(0), attn_mask=bias, scale=scale)[0][0, ..., :r]
+    else:  # leaves of more columns than a head: P explicitly
+        p = torch.exp((qg[0].float() @ keys[0].float().transpose(1, 2)) * scale + bias[0].float() - lse[0, ..., None])
+        pa = p @ a_v.float()
+    return (o[0].float() + pa.float() @ b_v).unsqueeze(0).to(qg.dtype), lse
 
 
 def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:

@@ -105,13 +105,14 @@ def _leaf(hkv, n_layers=2, rank=3, seed=4):
     return leaf, dense
 
 
-@pytest.mark.parametrize("case", ["extend", "rows", "decode"])
-def test_leaf_rows_equal_sdpa_over_corrected_copies(case):
+@pytest.mark.parametrize("case,rank", [("extend", 3), ("rows", 3), ("decode", 3), ("decode", 20)])
+def test_leaf_rows_equal_sdpa_over_corrected_copies(case, rank):
     """A KV leaf (a low-rank correction beside the cached K/V, keys in the cached rows' RoPE
-    frame) attends as a copy holding the corrected K/V would, in every layer's factors."""
+    frame) attends as a copy holding the corrected K/V would, in every layer's factors (a rank
+    above the head size takes the explicit path)."""
     hq, hkv, layer = 6, 2, 1
     k_true, k_cached, v, shifts, q_all = _request(hq, hkv, seed=5)
-    leaf, (dk, dv) = _leaf(hkv)
+    leaf, (dk, dv) = _leaf(hkv, rank=rank)
     k_fixed, v_fixed = k_cached.clone(), v.clone()
     k_fixed[leaf.pos] += dk[layer]
     v_fixed[leaf.pos] += dv[layer]
