@@ -12,11 +12,9 @@ gathered and each turned forward by its own shift, so they cost one attention ca
 The pieces are merged by their log-sum-exp (split-KV attention). Plain torch, the reference of
 a GPU kernel (the Triton kernel turns each key as it loads it, ``flash_lora_attention``).
 
-A KV leaf (``KeyLeaf``): some keys and values are read as the cached ones plus a low-rank
-correction (an accepted KVCMAS correction kept as ``A @ B`` beside the source's KV instead of a
-corrected copy). A long run with a leaf is still attended in place, its leaf as two low-rank
-terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term ``(q B_k^T) A_k^T`` added
-to the scores); short leaf spans are gathered with the rest and corrected before they are turned.
+KV leaves (``kernels.kv_leaf``): keys and values read as the cached ones plus a low-rank
+correction; a long run with a leaf is still attended in place (``leaf_run``), short leaf spans
+are gathered with the rest and corrected before they are turned.
 
 - ``offset_decode_attention``: one decode query over a ``KeyPlan``.
 - ``offset_extend_attention``: an extend's queries over a request's slots: the keys before the
@@ -28,59 +26,13 @@ to the scores); short leaf spans are gathered with the rest and corrected before
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from sglang_kvshare.kernels.kv_leaf import FLASH, KeyLeaf, leaf_part, leaf_run, with_leaf
 from sglang_kvshare.kernels.split_decode import MIN_RUN, merge_pieces
 from sglang_kvshare.rope.align import RopeSpec, rotate
-
-if TYPE_CHECKING:
-    from sglang_kvshare.lowrank import LowRank
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-class KeyLeaf(NamedTuple):
-    """Low-rank corrections of rows ``pos`` [m] (positions in a request's slots) of its keys and
-    values: ``k`` and ``v`` are ``LowRank`` with A [L, m, R], B [L, R, H * D] (one per layer; keys
-    in the RoPE frame of the cached rows they correct)."""
-
-    pos: torch.Tensor
-    k: "LowRank"
-    v: "LowRank"
-
-    def rows_of(self, n: int) -> torch.Tensor:
-        """[n] int64: the leaf row of each of the first ``n`` positions, -1 where it has none."""
-        rows = torch.full((n,), -1, dtype=torch.int64, device=self.pos.device)
-        inside = self.pos < n
-        rows[self.pos[inside]] = torch.arange(self.pos.numel(), device=self.pos.device)[inside]
-        return rows
-
-
-def leaf_part(leaf: Optional[KeyLeaf], rows_of: Optional[torch.Tensor], positions: torch.Tensor):
-    """The leaf rows of gathered ``positions``: (selected rows of the piece, their leaf rows,
-    leaf), or None when none carries one."""
-    if leaf is None:
-        return None
-    rows = rows_of[positions]
-    sel = torch.nonzero(rows >= 0).flatten()
-    return None if sel.numel() == 0 else (sel, rows[sel], leaf)
-
-
-def with_leaf(k: torch.Tensor, v: torch.Tensor, part, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gathered k, v [n, H, D] (copies the caller owns) with ``layer``'s leaf rows of ``part``
-    (``leaf_part``) added, in float32 and cast back."""
-    if part is None:
-        return k, v
-    sel, rows, leaf = part
-    H, D = k.shape[1:]
-    out = []
-    for x, f in ((k, leaf.k), (v, leaf.v)):
-        y = x.float()
-        y[sel] += (f.A[layer, rows].float() @ f.B[layer].float()).view(-1, H, D)
-        out.append(y.to(x.dtype))
-    return out[0], out[1]
 
 
 class KeyPlan(NamedTuple):
@@ -131,13 +83,14 @@ def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run:
     if leaf is not None and rows_of is None:
         rows_of = leaf.rows_of(n)
     leafed = None if leaf is None else rows_of[:n] >= 0
-    if leafed is not None:
-        cut |= leafed[1:] != leafed[:-1]
+    if leafed is not None:  # a run is all of one leaf or has none
+        which = torch.where(leafed, leaf.which[rows_of[:n].clamp(min=0)], -1)
+        cut |= which[1:] != which[:-1]
     bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), n]
     runs, rest = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b - a >= min_run:
-            part = None if leafed is None or not bool(leafed[a]) else (rows_of[a:b], leaf)
+            part = None if leafed is None or not bool(leafed[a]) else leaf.run_part(rows_of[a:b])
             runs.append((int(slots[a]), b - a, int(shifts[a]), part))
         else:
             rest.append(torch.arange(a, b, device=slots.device))
@@ -178,37 +131,12 @@ def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     outs, lses = [], []
     for qg, k, v, part in pieces:
         if part is None:
-            o, lse = _FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
+            o, lse = FLASH(qg, k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0), scale=scale)[:2]
         else:
-            o, lse = _leaf_run(qg, k, v, part, layer, scale)
+            o, lse = leaf_run(qg, k, v, part, layer, scale)
         outs.append(o)
         lses.append(lse)
     return outs, lses
-
-
-def _leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part, layer: int, scale: float):
-    """Query rows qg [1, Hkv, R, D] over a run of cached k, v [n, Hkv, D] read through the
-    run's leaf rows ``part`` (rows [n], KeyLeaf): scores ``q.k + (q B_k^T) A_k^T`` (the key term
-    as the kernel's additive mask), output ``PV + (P A_v) B_v`` (``P A_v`` from a second call
-    with A_v zero-padded to the head size as values: the CPU kernel needs equal head sizes);
-    (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R])."""
-    rows, leaf = part
-    n, Hkv, D = k.shape
-    a_k, a_v = leaf.k.A[layer, rows], leaf.v.A[layer, rows]  # [n, r]
-    b_k = leaf.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
-    b_v = leaf.v.B[layer].float().view(-1, Hkv, v.shape[-1]).transpose(0, 1)
-    bias = ((qg[0].float() @ b_k.transpose(1, 2)) @ a_k.float().T).mul_(scale).to(qg.dtype).unsqueeze(0)
-    keys = k.movedim(0, 1).unsqueeze(0)
-    o, lse = _FLASH(qg, keys, v.movedim(0, 1).unsqueeze(0), attn_mask=bias, scale=scale)[:2]
-    r = a_v.shape[-1]
-    if r <= D:
-        padded = a_v.new_zeros(n, D).to(qg.dtype)
-        padded[:, :r] = a_v
-        pa = _FLASH(qg, keys, padded.expand(Hkv, n, D).unsqueeze(0), attn_mask=bias, scale=scale)[0][0, ..., :r]
-    else:  # leaves of more columns than a head: P explicitly
-        p = torch.exp((qg[0].float() @ keys[0].float().transpose(1, 2)) * scale + bias[0].float() - lse[0, ..., None])
-        pa = p @ a_v.float()
-    return (o[0].float() + pa.float() @ b_v).unsqueeze(0).to(qg.dtype), lse
 
 
 def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:
@@ -258,14 +186,14 @@ def offset_extend_attention(
         k = _turned(k, _turn_tables(shifts[lo:], rope), rope).movedim(0, 1).unsqueeze(0)
         v = v.movedim(0, 1).unsqueeze(0)
         if tail.numel() == T and torch.equal(q_pos, torch.arange(lo, lo + T, device=q_pos.device)):
-            o, lse = _FLASH(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]  # [1, Hq, T, .]
+            o, lse = FLASH(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=scale)[:2]  # [1, Hq, T, .]
             outs.append(o[0].view(Hkv, G, T, -1).permute(0, 2, 1, 3).reshape(1, Hkv, T * G, -1))  # rows (t, g)
             lses.append(lse[0].view(Hkv, G, T).permute(0, 2, 1).reshape(1, Hkv, T * G))
         else:
             seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
             seen = seen.repeat_interleave(G, 0)  # rows (t, g)
             mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-            o, lse = _FLASH(_rows(q, Hkv), k, v, attn_mask=mask, scale=scale)[:2]
+            o, lse = FLASH(_rows(q, Hkv), k, v, attn_mask=mask, scale=scale)[:2]
             outs.append(o)
             lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key
     return _heads(merge_pieces(outs, lses, q.dtype), T, Hq)

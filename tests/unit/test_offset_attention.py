@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sglang_kvshare.kernels.offset_attention import KeyLeaf, key_plan, offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.kv_leaf import KeyLeaf
+from sglang_kvshare.kernels.offset_attention import key_plan, offset_decode_attention, offset_extend_attention
 from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys
 
@@ -93,26 +94,47 @@ def test_keys_at_their_own_positions_equal_sdpa_under_the_prefix_mask(rows):
     assert (out - unmasked).abs().max() > 1e-3  # the mask matters: a query must not see later keys
 
 
-def _leaf(hkv, n_layers=2, rank=3, seed=4):
+def _leaf(hkv, n_layers=2, rank=3, seed=4, two=False):
     """A KV leaf on positions 120:480 (inside the first shared span) and 650:660 (the request's
-    own tail), rank ``rank`` in each of ``n_layers`` layers; and its dense rows per layer."""
+    own tail), rank ``rank`` in each of ``n_layers`` layers; and its dense rows per layer. With
+    ``two``: two leaves side by side (ranks ``rank`` and ``rank + 2``), the second on 300:480
+    and 655:660, read through its rows in reverse (a run that gathers its leaf rows)."""
     g = torch.Generator().manual_seed(seed)
     pos = torch.cat([torch.arange(120, 480), torch.arange(650, 660)])
-    factors = [LowRank(0.3 * torch.randn(n_layers, len(pos), rank, generator=g),
-                       torch.randn(n_layers, rank, hkv * D, generator=g)) for _ in range(2)]
-    leaf = KeyLeaf(pos, *factors)
-    dense = [f.reconstruct().view(n_layers, len(pos), hkv, D) for f in factors]
+
+    def factors(m, r):
+        return [LowRank(0.3 * torch.randn(n_layers, m, r, generator=g),
+                        torch.randn(n_layers, r, hkv * D, generator=g)) for _ in range(2)]
+
+    if not two:
+        fk, fv = factors(len(pos), rank)
+        leaf = KeyLeaf.single(pos, fk, fv)
+    else:
+        second = ((pos >= 300) & (pos < 480)) | (pos >= 655)
+        which = second.long()
+        rows = torch.empty_like(pos)
+        rows[~second] = torch.arange(int((~second).sum()))
+        rows[second] = torch.arange(int(second.sum())).flip(0)
+        (k0, v0), (k1, v1) = factors(int((~second).sum()), rank), factors(int(second.sum()), rank + 2)
+        leaf = KeyLeaf(pos, which, rows, (k0, k1), (v0, v1))
+    dense = []
+    for factors_ in (leaf.k, leaf.v):
+        x = torch.zeros(n_layers, len(pos), hkv * D)
+        for j, f in enumerate(factors_):
+            x[:, leaf.which == j] = f.reconstruct()[:, leaf.rows[leaf.which == j]]
+        dense.append(x.view(n_layers, len(pos), hkv, D))
     return leaf, dense
 
 
-@pytest.mark.parametrize("case,rank", [("extend", 3), ("rows", 3), ("decode", 3), ("decode", 20)])
-def test_leaf_rows_equal_sdpa_over_corrected_copies(case, rank):
+@pytest.mark.parametrize("case,rank,two", [("extend", 3, False), ("rows", 3, False), ("decode", 3, False),
+                                           ("decode", 20, False), ("extend", 3, True), ("decode", 3, True)])
+def test_leaf_rows_equal_sdpa_over_corrected_copies(case, rank, two):
     """A KV leaf (a low-rank correction beside the cached K/V, keys in the cached rows' RoPE
     frame) attends as a copy holding the corrected K/V would, in every layer's factors (a rank
     above the head size takes the explicit path)."""
     hq, hkv, layer = 6, 2, 1
     k_true, k_cached, v, shifts, q_all = _request(hq, hkv, seed=5)
-    leaf, (dk, dv) = _leaf(hkv, rank=rank)
+    leaf, (dk, dv) = _leaf(hkv, rank=rank, two=two)
     k_fixed, v_fixed = k_cached.clone(), v.clone()
     k_fixed[leaf.pos] += dk[layer]
     v_fixed[leaf.pos] += dv[layer]
@@ -123,7 +145,8 @@ def test_leaf_rows_equal_sdpa_over_corrected_copies(case, rank):
         q = shift_keys(q_all[699:], q_pos, ROPE)
         plan = key_plan(slots, shifts, ROPE, leaf=leaf)
         # the leaf's long span is a run attended in place with its leaf, the short one gathered
-        assert [(s, n, part is not None) for s, n, _, part in plan.runs] == [(120, 360, True)]
+        runs = [(120, 180), (300, 180)] if two else [(120, 360)]
+        assert [(s, n) for s, n, _, part in plan.runs if part is not None] == runs
         out = offset_decode_attention(q[0], k_cached, v, plan, D ** -0.5, ROPE, layer)[None]
     else:
         q_pos = torch.arange(600, 700) if case == "extend" else torch.tensor([130, 131, 400, 655, 690])

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from sglang_kvshare.kernels.offset_attention import KeyLeaf
+from sglang_kvshare.kernels.kv_leaf import KeyLeaf
 from sglang_kvshare.lowrank import LowRank, randomized_svd
 from sglang_kvshare.rope import RopeSpec, rotate_keys_
 
@@ -117,50 +117,40 @@ class KVLeaves:
 
     def key_leaf(self, agent: str, slots: torch.Tensor) -> Optional[KeyLeaf]:
         """``agent``'s leaves on a request's ``slots`` [n] as one ``KeyLeaf`` (positions into
-        ``slots``; several leaves side by side, their ranks zero-padded), or None."""
+        ``slots``, each leaf's factors as stored), or None."""
         ids = self.ids.get(agent)
         if ids is None:
             return None
-        mine = ids[slots.to(torch.int64)]
+        slots = slots.to(torch.int64)
+        mine = ids[slots]
         pos = torch.nonzero(mine >= 0).flatten()
         if pos.numel() == 0:
             return None
-        rows = self.rows[agent][slots.to(torch.int64)[pos]]
-        parts = []
-        for leaf_id in torch.unique(mine[pos]).tolist():
-            sel = mine[pos] == leaf_id
-            parts.append((sel, rows[sel], self.leaves[leaf_id]))
-        return KeyLeaf(pos, *(self._joined([(s, r, getattr(f, name)) for s, r, f in parts], pos.numel())
-                              for name in ("k", "v")))
+        held, which = torch.unique(mine[pos], return_inverse=True)
+        found = [self.leaves[i] for i in held.tolist()]
+        return KeyLeaf(pos, which, self.rows[agent][slots[pos]], tuple(f.k for f in found), tuple(f.v for f in found))
 
-    @staticmethod
-    def _joined(parts, m: int) -> LowRank:
-        """One LowRank [L, m, sum r] x [L, sum r, HD] of several leaves' rows (block diagonal)."""
-        if len(parts) == 1:
-            sel, rows, f = parts[0]
-            return LowRank(f.A[:, rows], f.B)
-        L, dev = parts[0][2].A.shape[0], parts[0][2].A.device
-        total = sum(f.rank for _, _, f in parts)
-        A = torch.zeros(L, m, total, dtype=parts[0][2].A.dtype, device=dev)
-        Bs, col = [], 0
-        for sel, rows, f in parts:
-            A[:, sel, col : col + f.rank] = f.A[:, rows].to(A.dtype)
-            Bs.append(f.B.float())
-            col += f.rank
-        return LowRank(A, torch.cat(Bs, dim=1))
-
-    def dense(self, agent: str, slots: torch.Tensor, num_layers: int):
-        """``agent``'s leaves on ``slots`` [n] as dense float32 (k, v) [L, n, H*D] (keys in the
-        slots' RoPE frame), or None when it has none."""
+    def add_to(self, agent: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dim: int = 0,
+               key_shift: int = 0, rope: Optional[RopeSpec] = None, head_dim: Optional[int] = None) -> bool:
+        """Add ``agent``'s leaves on ``slots`` [n] to float32 k, v gathered from them (``[L, n,
+        H, D]`` or ``[L, n, H * D]`` with ``dim=0``, ``[n, L, H, D]`` with ``dim=1``), in place;
+        the keys' leaves turned by ``key_shift`` positions first (``rope``; ``head_dim`` for
+        the flat layout): one map of B, so a leaf reaches another RoPE frame without a pass over
+        the dense rows. False when it has none."""
         leaf = self.key_leaf(agent, slots)
         if leaf is None:
-            return None
-        out = []
-        for f in (leaf.k, leaf.v):
-            x = torch.zeros(num_layers, slots.numel(), f.cols, dtype=torch.float32, device=f.A.device)
-            x[:, leaf.pos] = f.reconstruct()
-            out.append(x)
-        return out[0], out[1]
+            return False
+        for x, factors, shift in ((k, leaf.k, key_shift), (v, leaf.v, 0)):
+            rows_first = x if dim == 0 else x.transpose(0, 1)
+            flat = rows_first.flatten(2) if rows_first.dim() == 4 else rows_first  # a view: [L, n, H*D]
+            for j, f in enumerate(factors):
+                mine = leaf.which == j
+                B = f.B.float()
+                if shift:
+                    D = rows_first.shape[-1] if rows_first.dim() == 4 else head_dim
+                    B = rotate_keys_(B.reshape(-1, B.shape[-1] // D, D).clone(), shift, rope).view(B.shape)
+                flat.index_add_(1, leaf.pos[mine], f.A[:, leaf.rows[mine]].float() @ B)
+        return True
 
     def stats(self) -> dict:
         return {"leaves": len(self.leaves), "leaf_bytes": sum(f.nbytes for f in self.leaves.values())}
@@ -186,10 +176,3 @@ def leaf_factors(delta_k: torch.Tensor, delta_v: torch.Tensor, p0: int, rank: in
     L, r, HD = fk.B.shape
     B = rotate_keys_(fk.B.reshape(L * r, HD // head_dim, head_dim).clone(), p0, rope).reshape(L, r, HD)
     return LowRank(fk.A, B), fv
-
-
-def canonical(dense_k: torch.Tensor, p0: int, rope: RopeSpec, head_dim: int) -> torch.Tensor:
-    """Leaf keys ``dense_k`` [L, n, H*D] float32 in the rows' RoPE frame (``p0 + t``) moved to
-    0 .. n-1, in place."""
-    L, n, HD = dense_k.shape
-    return rotate_keys_(dense_k.view(L, n, HD // head_dim, head_dim), -p0, rope).view(L, n, HD)

@@ -96,17 +96,13 @@ class KVViews:
                    dim: int):
         """Keys and values gathered from ``slots`` (``[L, n, H, D]`` with ``dim=0``, or
         ``[n, L, H, D]``) as ``agent`` reads them: its leaves added (keys in the slots' RoPE
-        frame, before ``align_keys``). New tensors where a leaf applies, else the inputs."""
-        if self.leaves is None or agent is None:
+        frame, before ``align_keys``): added in place to float32 inputs (the callers' gathered
+        copies), else into new tensors of the inputs' dtype."""
+        if self.leaves is None or agent is None or not self.leaves.has(agent, slots.to(torch.int64)):
             return keys, values
-        dense = self.leaves.dense(agent, slots.to(torch.int64), keys.shape[dim])
-        if dense is None:
-            return keys, values
-        out = []
-        for x, d in zip((keys, values), dense):
-            d = d.view(d.shape[0], d.shape[1], *x.shape[-2:])
-            out.append((x.float() + (d if dim == 0 else d.transpose(0, 1))).to(x.dtype))
-        return out[0], out[1]
+        k, v = keys.float(), values.float()
+        self.leaves.add_to(agent, slots.to(torch.int64), k, v, dim=dim)
+        return k.to(keys.dtype), v.to(values.dtype)
 
     def release(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots of ``idx`` (one holder each per occurrence) that no holder keeps any more:

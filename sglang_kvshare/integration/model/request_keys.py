@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from sglang_kvshare.kernels.offset_attention import KeyLeaf, KeyPlan, key_plan
+from sglang_kvshare.kernels.kv_leaf import KeyLeaf
+from sglang_kvshare.kernels.offset_attention import KeyPlan, key_plan
 from sglang_kvshare.kernels.split_decode import slot_runs
 
 

@@ -38,7 +38,7 @@ from sglang_kvshare.integration.cache.kv_io import (
     read_source,
     write_canonical,
 )
-from sglang_kvshare.integration.cache.leaves import canonical, leaf_factors, uniform_offset
+from sglang_kvshare.integration.cache.leaves import leaf_factors, uniform_offset
 from sglang_kvshare.integration.cache.views import viewable
 from sglang_kvshare.integration.scheduler.recompute_jobs import rows_job, unsupported
 from sglang_kvshare.kernels.kv_correct import kv_correct
@@ -190,15 +190,14 @@ def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool
     if p0 is None:
         return None
     k_buf = next(kv_layers(pool))[0]
-    L, head_dim = delta.k.shape[0], k_buf.shape[-1]
-    inherited = leaves.dense(rec.agent, slots, L)
-    rows = n if inherited is not None else k
+    head_dim = k_buf.shape[-1]
+    inherited = leaves.has(rec.agent, slots)
+    rows = n if inherited else k
     if rows:
         dk, dv = delta.k[:, :k], delta.v[:, :k]
-        if inherited is not None:  # the source agent's leaf and this correction on top of it
-            dk, dv = canonical(inherited[0], p0, rope, head_dim), inherited[1]
-            dk[:, :k] += delta.k[:, :k]
-            dv[:, :k] += delta.v[:, :k]
+        if inherited:  # the source agent's leaf (turned to the canonical frame) and this correction on top
+            dk, dv = (torch.cat([d, d.new_zeros(d.shape[0], n - k, d.shape[2])], 1) for d in (dk, dv))
+            leaves.add_to(rec.agent, slots, dk, dv, key_shift=-p0, rope=rope, head_dim=head_dim)
         fk, fv = leaf_factors(dk, dv, p0, views.leaf_rank, rope, head_dim, k_buf.dtype)
         leaves.attach(st.spec.agent, slots[:rows], fk, fv)
         record.update(leaf_rank=fk.rank, leaf_bytes=fk.nbytes + fv.nbytes)

@@ -1,0 +1,125 @@
+"""KV leaves in attention: keys and values read as the cached ones plus a low-rank correction.
+
+An accepted KVCMAS correction kept as ``A @ B`` beside the source's KV (``cache/leaves.py``)
+instead of a corrected copy in new slots. A long run with a leaf is attended in place, the leaf
+as two low-rank terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term
+``(q B_k^T) A_k^T`` added to the scores: ``leaf_run``); short leaf spans are gathered with the
+other keys and corrected first (``with_leaf``). ``kernels.offset_attention`` plans the runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang_kvshare.lowrank import LowRank
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+EXPLICIT_ROWS = 16  # query rows per KV head up to which a leafed run's scores are explicit (a decode step)
+
+
+class KeyLeaf(NamedTuple):
+    """Low-rank corrections of rows ``pos`` [m] (positions in a request's slots) of its keys and
+    values: row ``rows[i]`` of leaf ``which[i]``, whose factors are ``k[which[i]]`` and
+    ``v[which[i]]`` (``LowRank`` with A [L, rows, R], B [L, R, H * D], one per layer; keys in the
+    RoPE frame of the cached rows they correct). Several leaves stay apart (no block-diagonal
+    join): a run of one leaf attends at that leaf's rank."""
+
+    pos: torch.Tensor
+    which: torch.Tensor
+    rows: torch.Tensor
+    k: Tuple["LowRank", ...]
+    v: Tuple["LowRank", ...]
+
+    @staticmethod
+    def single(pos: torch.Tensor, k: "LowRank", v: "LowRank") -> "KeyLeaf":
+        """One leaf whose row i corrects position ``pos[i]``."""
+        rows = torch.arange(pos.numel(), device=pos.device)
+        return KeyLeaf(pos, torch.zeros_like(rows), rows, (k,), (v,))
+
+    def rows_of(self, n: int) -> torch.Tensor:
+        """[n] int64: the entry (index into ``pos``) of each of the first ``n`` positions, -1
+        where it has none."""
+        entries = torch.full((n,), -1, dtype=torch.int64, device=self.pos.device)
+        inside = self.pos < n
+        entries[self.pos[inside]] = torch.arange(self.pos.numel(), device=self.pos.device)[inside]
+        return entries
+
+    def run_part(self, entries: torch.Tensor) -> "LeafRun":
+        """The ``LeafRun`` of a run's ``entries`` (all of one leaf)."""
+        which, rows = int(self.which[entries[0]]), self.rows[entries]
+        first = int(rows[0])
+        contiguous = bool((rows == torch.arange(first, first + rows.numel(), device=rows.device)).all())
+        return LeafRun(slice(first, first + rows.numel()) if contiguous else rows, self.k[which], self.v[which])
+
+
+class LeafRun(NamedTuple):
+    """A run's rows of one leaf: ``rows`` (a slice where they are consecutive, no gather) of
+    the factors ``k``, ``v``."""
+
+    rows: object
+    k: "LowRank"
+    v: "LowRank"
+
+
+def leaf_part(leaf: Optional[KeyLeaf], rows_of: Optional[torch.Tensor], positions: torch.Tensor):
+    """The leaf rows of gathered ``positions``, per leaf: a list of (selected rows of the piece,
+    their rows of the leaf, its k and v factors), or None when none carries one. Built once per
+    plan, used by every layer."""
+    if leaf is None:
+        return None
+    entries = rows_of[positions]
+    sel = torch.nonzero(entries >= 0).flatten()
+    if sel.numel() == 0:
+        return None
+    which, rows = leaf.which[entries[sel]], leaf.rows[entries[sel]]
+    return [(sel[which == j], rows[which == j], leaf.k[j], leaf.v[j]) for j in torch.unique(which).tolist()]
+
+
+def with_leaf(k: torch.Tensor, v: torch.Tensor, part, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gathered k, v [n, H, D] (copies the caller owns) with ``layer``'s leaf rows of ``part``
+    (``leaf_part``) added, in float32 and cast back."""
+    if part is None:
+        return k, v
+    H, D = k.shape[1:]
+    y, z = k.float(), v.float()
+    for sel, rows, fk, fv in part:
+        y[sel] += (fk.A[layer, rows].float() @ fk.B[layer].float()).view(-1, H, D)
+        z[sel] += (fv.A[layer, rows].float() @ fv.B[layer].float()).view(-1, H, D)
+    return y.to(k.dtype), z.to(v.dtype)
+
+
+def leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: LeafRun, layer: int, scale: float):
+    """Query rows qg [1, Hkv, R, D] over a run of cached k, v [n, Hkv, D] read through the
+    run's leaf rows ``part``: scores ``q.k + (q B_k^T) A_k^T``, output ``PV + (P A_v) B_v``;
+    (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R]).
+
+    Few query rows (a decode step) take the scores explicitly, one pass over the keys and one
+    over the values, read in place (on this CPU 1.4-1.7x a plain run's kernel call, against
+    2-3x for two calls; the calls win from about 24 rows per KV head at 2K keys). More rows take
+    the CPU flash kernel, which does not materialise the scores: the key term as its additive
+    mask, and ``P A_v`` from a second call with A_v zero-padded to the head size as values (the
+    kernel needs equal head sizes), or explicitly when the rank exceeds the head size."""
+    n, Hkv, D = k.shape
+    a_k, a_v = part.k.A[layer, part.rows].float(), part.v.A[layer, part.rows].float()  # [n, r]
+    b_k = part.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
+    b_v = part.v.B[layer].float().view(-1, Hkv, v.shape[-1]).transpose(0, 1)
+    q = qg[0].float()
+    bias = (q @ b_k.transpose(1, 2)) @ a_k.T  # [Hkv, R, n]
+    r = a_v.shape[-1]
+    if q.shape[1] <= EXPLICIT_ROWS or r > D:
+        s = torch.baddbmm(bias, q, k.permute(1, 2, 0).float(), alpha=scale, beta=scale)
+        top = s.amax(-1, keepdim=True)
+        p = s.sub_(top).exp_()
+        total = p.sum(-1, keepdim=True)
+        o = torch.baddbmm(torch.bmm(p, v.permute(1, 0, 2).float()), p @ a_v, b_v).div_(total)
+        return o.unsqueeze(0).to(qg.dtype), (top + total.log()).squeeze(-1).unsqueeze(0)
+    bias = bias.mul_(scale).to(qg.dtype).unsqueeze(0)
+    keys = k.movedim(0, 1).unsqueeze(0)
+    o, lse = FLASH(qg, keys, v.movedim(0, 1).unsqueeze(0), attn_mask=bias, scale=scale)[:2]
+    padded = qg.new_zeros(n, D)
+    padded[:, :r] = a_v
+    pa = FLASH(qg, keys, padded.expand(Hkv, n, D).unsqueeze(0), attn_mask=bias, scale=scale)[0][0, ..., :r]
+    return (o[0].float() + pa.float() @ b_v).unsqueeze(0).to(qg.dtype), lse
