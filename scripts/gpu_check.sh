@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a CUDA machine: set up, run the GPU checks, print one line per check.
 #   1. kernels:   both Triton kernels compiled for CUDA against their torch references
-#                 (tests/gpu: kv_correct; tests/unit/test_kernel_flash_lora.py: flash_lora)
+#                 (tests/gpu: kv_correct; flash_lora with LR, key shifts and KV leaves)
 #   2. injection: injection, RoPE re-alignment and the fused correction write on SGLang's GPU
 #                 attention backends (tests/integration/test_gpu_backends.py, tiny model)
 #   3. ttft:      python -m benchmarks.ttft_reuse --quick (SmolLM2 on the GPU)
@@ -28,7 +28,7 @@ check() {  # check NAME COMMAND...: run, keep the log, print one line
     failed=1
   fi
 }
-check kernels "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_kernel_flash_lora.py
+check kernels "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/gpu
 check injection "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/integration/test_gpu_backends.py
 check ttft "$VENV/bin/python" -m benchmarks.ttft_reuse --quick --out "$LOGS/ttft_reuse.json"
 exit $failed

@@ -15,7 +15,12 @@ and the epilogue adds ``acc_lr @ B_v[j, :, g*D:(g+1)*D]`` (the B projection), so
 columns, so both products stay rank r. With a key shift (KV views: a key read in the slot of
 another request, where it carries RoPE ``shift`` positions earlier) each key is turned by
 ``cos(shift) * k + sin(shift) * rotate_half(k)`` as it is loaded, from a table of the batch's
-shifts; the queries and the online softmax are untouched.
+shifts; the queries and the online softmax are untouched. With KV leaves (``KVLeafRows``: an
+accepted correction kept as ``A @ B`` beside the cached K/V) the leaves a request reads are
+stacked per program, their B rows side by side ([NL * r, D]); a key tile gets its key term
+``A_k B_k`` (one product of the tile's A rows, each in its leaf's columns, with the stack) in the
+cached key's frame, before the shift turns it, and the value term is kept low rank as the LR's:
+``acc_leaf = P A_v`` ([BLOCK_M, NL * r]), ``acc_leaf @ B_v`` in the epilogue.
 
 Layouts (last dim contiguous):
     q        [Tq, Hq, D]               new queries of all requests, concatenated
@@ -25,6 +30,7 @@ Layouts (last dim contiguous):
     B_v      [n_agents, r_max, Hkv*D]  stacked value B factors (zero rows beyond an agent's rank)
     kv_indices [sum kv_len] int        KV slots of each request's tokens, in order
     key_shift  [sum kv_len] int        optional (``KeyShift``), aligned with kv_indices
+    key_leaf                           optional (``KVLeafRows``), aligned with kv_indices
     qo_indptr, kv_indptr [B + 1] int   request offsets into q / kv_indices
     agent    [B] int                   LR column of each request's agent; -1: base model
     out      [Tq, Hq, D]               dtype of q
@@ -32,142 +38,22 @@ Layouts (last dim contiguous):
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from sglang_kvshare.kernels.flash_lora_torch import (  # noqa: F401 - public here too
     KeyLR,
     KeyShift,
+    KVLeafRows,
     flash_lora_attention_reference,
     flash_lora_attention_sdpa,
 )
+from sglang_kvshare.kernels.flash_lora_triton import HAS_TRITON, flash_lora_attention_kernel
 from sglang_kvshare.rope.align import RopeSpec
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with torch on CUDA machines
-    HAS_TRITON = False
-
-
 if HAS_TRITON:
-
-    @triton.jit
-    def _flash_lora_attention_kernel(
-        Q, K, V, LR, BV, O,
-        KV_IDX, QO_INDPTR, KV_INDPTR, AGENT,
-        LRK, BK, COS, SIN, SHIFT, SCOS, SSIN, shift_lo,
-        sm_scale,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_lrt, stride_lra, stride_ba, stride_br, stride_ot, stride_oh,
-        stride_lkt, stride_lka, stride_bka, stride_bkr, stride_cs, stride_ss,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, RANK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr, HAS_LR: tl.constexpr,
-        HAS_KEY_LR: tl.constexpr, HAS_SHIFT: tl.constexpr, PRECISION: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        mblk = tl.program_id(2)
-        g = h // GROUP
-        q_beg = tl.load(QO_INDPTR + b)
-        q_len = tl.load(QO_INDPTR + b + 1) - q_beg
-        kv_beg = tl.load(KV_INDPTR + b)
-        kv_len = tl.load(KV_INDPTR + b + 1) - kv_beg
-        if mblk * BLOCK_M < q_len:
-            q_start = kv_len - q_len
-            agent = tl.load(AGENT + b)
-            offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_d = tl.arange(0, BLOCK_D)
-            offs_r = tl.arange(0, BLOCK_R)
-            m_mask = offs_m < q_len
-            d_mask = offs_d < HEAD_DIM
-            r_mask = offs_r < tl.where(agent >= 0, RANK, 0)  # base-model request: no LR
-            agent_c = tl.maximum(agent, 0)
-            # q: [BLOCK_M, BLOCK_D]
-            q = tl.load(
-                Q + (q_beg + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0,
-            ).to(tl.float32)
-            m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            acc_lr = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-            half: tl.constexpr = HEAD_DIM // 2
-            rot_d = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half's gather
-            sign = tl.where(offs_d < half, -1.0, 1.0)
-            if HAS_KEY_LR:
-                rd_mask = r_mask[:, None] & d_mask[None, :]
-                bk_base = BK + agent_c * stride_bka + offs_r[:, None] * stride_bkr + g * HEAD_DIM
-                # bk, bk_rh: [BLOCK_R, BLOCK_D]; bk_rh = rotate_half(B^K) along D
-                bk = tl.load(bk_base + offs_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
-                bk_rh = tl.load(bk_base + rot_d[None, :], mask=rd_mask, other=0.0).to(tl.float32)
-                bk_rh = bk_rh * sign[None, :]
-            kv_end = kv_len
-            if CAUSAL:
-                kv_end = tl.minimum(kv_len, q_start + (mblk + 1) * BLOCK_M)
-            for n0 in range(0, kv_end, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < kv_len
-                slot = tl.load(KV_IDX + kv_beg + offs_n, mask=n_mask, other=0).to(tl.int64)
-                nd_mask = n_mask[:, None] & d_mask[None, :]
-                # k: [BLOCK_N, BLOCK_D]
-                k = tl.load(K + slot[:, None] * stride_kt + g * stride_kh + offs_d[None, :],
-                            mask=nd_mask, other=0.0).to(tl.float32)
-                if HAS_SHIFT:
-                    # the key turned by its shift: cos * k + sin * rotate_half(k)
-                    row = tl.load(SHIFT + kv_beg + offs_n, mask=n_mask, other=shift_lo) - shift_lo
-                    cs = row[:, None] * stride_ss + offs_d[None, :]
-                    k_rh = tl.load(K + slot[:, None] * stride_kt + g * stride_kh + rot_d[None, :],
-                                   mask=nd_mask, other=0.0).to(tl.float32) * sign[None, :]
-                    k = k * tl.load(SCOS + cs, mask=nd_mask, other=0.0) + k_rh * tl.load(
-                        SSIN + cs, mask=nd_mask, other=0.0)
-                if HAS_KEY_LR:
-                    # lrk: [BLOCK_N, BLOCK_R]; key delta RoPE(lrk @ B^K) at positions offs_n
-                    lrk = tl.load(LRK + slot[:, None] * stride_lkt + agent_c * stride_lka
-                                  + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                                  other=0.0).to(tl.float32)
-                    cos = tl.load(COS + offs_n[:, None] * stride_cs + offs_d[None, :],
-                                  mask=nd_mask, other=0.0)
-                    sin = tl.load(SIN + offs_n[:, None] * stride_cs + offs_d[None, :],
-                                  mask=nd_mask, other=0.0)
-                    k += cos * tl.dot(lrk, bk, input_precision=PRECISION)
-                    k += sin * tl.dot(lrk, bk_rh, input_precision=PRECISION)
-                # s: [BLOCK_M, BLOCK_N]
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-                valid = m_mask[:, None] & n_mask[None, :]
-                if CAUSAL:
-                    valid = valid & (offs_n[None, :] <= (q_start + offs_m)[:, None])
-                s = tl.where(valid, s, -1.0e30)
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                p = tl.where(valid, p, 0.0)
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + slot[:, None] * stride_vt + g * stride_vh + offs_d[None, :],
-                            mask=nd_mask, other=0.0).to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-                if HAS_LR:
-                    # lr: [BLOCK_N, BLOCK_R]
-                    lr = tl.load(LR + slot[:, None] * stride_lrt + agent_c * stride_lra
-                                 + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                                 other=0.0).to(tl.float32)
-                    acc_lr = acc_lr * alpha[:, None] + tl.dot(p, lr, input_precision=PRECISION)
-                m_i = m_new
-            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            acc = acc / l_safe[:, None]
-            if HAS_LR:
-                acc_lr = acc_lr / l_safe[:, None]
-                # bv: [BLOCK_R, BLOCK_D], KV head g's columns of agent's B_v
-                bv = tl.load(BV + agent_c * stride_ba + offs_r[:, None] * stride_br
-                             + g * HEAD_DIM + offs_d[None, :],
-                             mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-                acc += tl.dot(acc_lr, bv, input_precision=PRECISION)
-            tl.store(O + (q_beg + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-                     acc.to(O.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    import triton
 
 
 def rope_tables(rope: RopeSpec, max_pos: int, device, start: int = 0) -> tuple:
@@ -180,6 +66,22 @@ def rope_tables(rope: RopeSpec, max_pos: int, device, start: int = 0) -> tuple:
 
 def _next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << (max(1, n) - 1).bit_length())
+
+
+def leaf_table(leaf: torch.Tensor, kv_indptr: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For ``KVLeafRows.leaf`` [sum kv_len]: the leaves each request reads ([B, NL] leaf ids, -1
+    unused) and each key's index into its request's row of that table (-1: no leaf)."""
+    n_req, dev = kv_indptr.numel() - 1, leaf.device
+    req = torch.repeat_interleave(torch.arange(n_req, device=dev), (kv_indptr[1:] - kv_indptr[:-1]).long())
+    has = leaf >= 0
+    pairs, inverse = torch.unique(torch.stack((req[has], leaf[has].long())), dim=1, return_inverse=True)
+    reqs = pairs[0].contiguous()
+    local = torch.arange(pairs.shape[1], device=dev) - torch.searchsorted(reqs, reqs)
+    table = torch.full((n_req, max(1, int(local.max()) + 1 if local.numel() else 1)), -1, dtype=torch.int32, device=dev)
+    table[pairs[0], local] = pairs[1].to(torch.int32)
+    which = torch.full(leaf.shape, -1, dtype=torch.int32, device=dev)
+    which[has] = local[inverse].to(torch.int32)
+    return table, which
 
 
 def flash_lora_attention_triton(
@@ -196,6 +98,7 @@ def flash_lora_attention_triton(
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
     key_shift: Optional[KeyShift] = None,
+    key_leaf: Optional[KVLeafRows] = None,
     max_q_len: Optional[int] = None,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -249,6 +152,17 @@ def flash_lora_attention_triton(
         shift_lo = int(shift.min().item()) if shift.numel() else 0
         hi = int(shift.max().item()) if shift.numel() else 0
         scos, ssin = rope_tables(rope, hi - shift_lo + 1, q.device, start=shift_lo)
+    lwhich, lrow, ltab, lak, lav, lbk, lbv = (dummy.view(1, 1, 1),) * 7
+    nleaf, lrank = 1, 1
+    if key_leaf is not None:
+        lrow, lak, lbk, lav, lbv = key_leaf[1:]
+        lrank = lak.shape[1]
+        assert key_leaf.leaf.shape == lrow.shape == kv_indices.shape, "key_leaf must align with kv_indices"
+        assert lav.shape == lak.shape and lak.stride(-1) == lav.stride(-1) == 1, "A_k, A_v [rows, r]"
+        assert lbk.shape == lbv.shape == (lbk.shape[0], lrank, Hkv * D) and lbk.stride(-1) == lbv.stride(-1) == 1, (
+            f"B_k, B_v must be [n_leaves, {lrank}, {Hkv * D}]")
+        ltab, lwhich = leaf_table(key_leaf.leaf, kv_indptr)
+        lrow, nleaf = lrow.to(torch.int32).contiguous(), ltab.shape[1]
     if max_q_len is None:
         max_q_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item()) if num_req else 0
     out = torch.empty_like(q)
@@ -259,27 +173,31 @@ def flash_lora_attention_triton(
     block_m = block_m or (64 if q.is_cuda else 16)
     block_n = block_n or (64 if q.is_cuda else 16)
     grid = (num_req, Hq, triton.cdiv(max_q_len, block_m))
-    _flash_lora_attention_kernel[grid](
+    flash_lora_attention_kernel[grid](
         q, k_buf, v_buf, lr_t, bv_t, out,
         kv_indices, qo_indptr, kv_indptr, agent,
         lrk, bk, cos, sin, shift, scos, ssin, shift_lo,
+        lwhich, lrow, ltab, lak, lav, lbk, lbv,
         D ** -0.5 if scale is None else scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
         lr_t.stride(0), lr_t.stride(1), bv_t.stride(0), bv_t.stride(1),
         out.stride(0), out.stride(1),
         *lk_strides, *bk_strides, cs_stride, scos.stride(0) if key_shift is not None else 0,
+        ltab.stride(0), lak.stride(0), lav.stride(0), lbk.stride(0), lbk.stride(1), lbv.stride(0), lbv.stride(1),
         GROUP=Hq // Hkv, HEAD_DIM=D, RANK=rank,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(D), BLOCK_R=_next_pow2(rank),
         CAUSAL=causal, HAS_LR=has_lr, HAS_KEY_LR=key_lr is not None, HAS_SHIFT=key_shift is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_LEAF=key_leaf is not None, NLEAF=nleaf, LRANK=lrank, BLOCK_RL=_next_pow2(lrank, 1),
+        BLOCK_L=max(16, _next_pow2(nleaf, 1) * _next_pow2(lrank, 1)),
     )
     return out
 
 
 def flash_lora_attention_paged(*args, **kwargs) -> torch.Tensor:
     """Dispatcher: the Triton kernel for CUDA tensors, the torch SDPA path elsewhere (value and
-    key LR, key shifts)."""
+    key LR, key shifts, KV leaves)."""
     q = args[0] if args else kwargs["q"]
     if HAS_TRITON and q.is_cuda:
         return flash_lora_attention_triton(*args, **kwargs)

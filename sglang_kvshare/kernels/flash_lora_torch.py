@@ -30,9 +30,44 @@ class KeyShift(NamedTuple):
     rope: RopeSpec
 
 
-def _keys(k_buf: torch.Tensor, slots: torch.Tensor, k0: int, k1: int, key_shift: Optional[KeyShift]):
+class KVLeafRows(NamedTuple):
+    """KV leaves of one layer (``cache/leaves.py``: an accepted correction kept as ``A @ B``
+    beside the cached K/V): key i of kv_indices is read as ``k + A_k[row[i]] B_k[leaf[i]]`` and
+    ``v + A_v[row[i]] B_v[leaf[i]]`` (``leaf[i]`` -1: as cached). ``leaf``, ``row`` [sum kv_len]
+    int aligned with kv_indices; A_k, A_v [rows, r]; B_k, B_v [n_leaves, r, Hkv*D] (zero rows
+    beyond a leaf's rank). The key term is in the RoPE frame of the cached key, so it is added
+    before a key shift turns the key."""
+
+    leaf: torch.Tensor
+    row: torch.Tensor
+    A_k: torch.Tensor
+    B_k: torch.Tensor
+    A_v: torch.Tensor
+    B_v: torch.Tensor
+
+
+def _leaf_delta(leaves: KVLeafRows, k0: int, k1: int, A: torch.Tensor, B: torch.Tensor, shape) -> torch.Tensor:
+    """[k1 - k0, H, D] float32: the dense leaf term of keys k0:k1 (zero where none)."""
+    leaf, row = leaves.leaf[k0:k1].long(), leaves.row[k0:k1].long()
+    out = torch.zeros(k1 - k0, shape[0] * shape[1], dtype=torch.float32, device=A.device)
+    has = leaf >= 0
+    out[has] = torch.bmm(A[row[has]].float().unsqueeze(1), B[leaf[has]].float()).squeeze(1)
+    return out.view(k1 - k0, *shape)
+
+
+def _keys(k_buf: torch.Tensor, slots: torch.Tensor, k0: int, k1: int, key_shift: Optional[KeyShift],
+          key_leaf: Optional[KVLeafRows] = None):
     k = k_buf[slots]
+    if key_leaf is not None:
+        k = k.float() + _leaf_delta(key_leaf, k0, k1, key_leaf.A_k, key_leaf.B_k, k.shape[1:])
     return k if key_shift is None else shift_keys(k, key_shift.shift[k0:k1], key_shift.rope)
+
+
+def _values(v_buf: torch.Tensor, slots: torch.Tensor, k0: int, k1: int, key_leaf: Optional[KVLeafRows]):
+    v = v_buf[slots]
+    if key_leaf is None:
+        return v
+    return v.float() + _leaf_delta(key_leaf, k0, k1, key_leaf.A_v, key_leaf.B_v, v.shape[1:])
 
 
 def flash_lora_attention_reference(
@@ -49,10 +84,11 @@ def flash_lora_attention_reference(
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
     key_shift: Optional[KeyShift] = None,
+    key_leaf: Optional[KVLeafRows] = None,
     **_unused,
 ) -> torch.Tensor:
     """Torch reference of ``flash_lora_attention_triton`` (same contract): gathers each request's
-    slots and calls ``sglang_kvshare.lora_cache.flash_lora_attention(_qkvo)``."""
+    slots (with their leaf rows added) and calls ``sglang_kvshare.lora_cache.flash_lora_attention(_qkvo)``."""
     out = torch.empty_like(q)
     num_req = qo_indptr.numel() - 1
     for b in range(num_req):
@@ -66,12 +102,12 @@ def flash_lora_attention_reference(
             j = 0
         lr = lr_buf[slots, j] if (lr_buf is not None and j >= 0) else None
         bv = B_v[j] if lr is not None else None
-        k = _keys(k_buf, slots, k0, k1, key_shift)
+        k = _keys(k_buf, slots, k0, k1, key_shift, key_leaf)
         if key_lr is not None and j >= 0:
             pos = torch.arange(k.shape[0], device=k.device)
             k = k.float() + expand_key_lr(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], k.shape[1],
                                           pos, key_lr.rope).float()
-        out[q0:q1] = flash_lora_attention(q[q0:q1], k, v_buf[slots], lr, bv, scale, causal)
+        out[q0:q1] = flash_lora_attention(q[q0:q1], k, _values(v_buf, slots, k0, k1, key_leaf), lr, bv, scale, causal)
     return out
 
 
@@ -89,6 +125,7 @@ def flash_lora_attention_sdpa(
     causal: bool = True,
     key_lr: Optional[KeyLR] = None,
     key_shift: Optional[KeyShift] = None,
+    key_leaf: Optional[KVLeafRows] = None,
     **_unused,
 ) -> torch.Tensor:
     """Torch serving path (same contract as the kernel): per request one
@@ -96,7 +133,8 @@ def flash_lora_attention_sdpa(
     channels, so it yields ``P V_base`` and ``P LR_j`` together; ``(P LR_j) B_j`` is then added per
     query head (GQA: KV head g's columns of B). With ``key_lr`` an adapted request's keys are
     ``K_base + RoPE(LR_k B_k)``, the delta rotated at each key's index in its request
-    (``rotate_key_delta``); with ``key_shift`` the base keys are turned first. Runs in q.dtype."""
+    (``rotate_key_delta``); with ``key_shift`` the base keys are turned first, after their leaf
+    rows (``key_leaf``) are added. Runs in q.dtype."""
     import torch.nn.functional as F
 
     out = torch.empty_like(q)
@@ -112,8 +150,8 @@ def flash_lora_attention_sdpa(
             continue
         slots = kv_indices[k0:k1].long()
         qi = q[q0:q1].transpose(0, 1)  # [Hq, q, D]
-        k = _keys(k_buf, slots, k0, k1, key_shift).transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
-        v = v_buf[slots].transpose(0, 1).to(q.dtype)
+        k = _keys(k_buf, slots, k0, k1, key_shift, key_leaf).transpose(0, 1).to(q.dtype)  # [Hkv, kv, D]
+        v = _values(v_buf, slots, k0, k1, key_leaf).transpose(0, 1).to(q.dtype)
         j = -1 if lr_buf is None else (0 if agent is None else int(agent[b]))
         if key_lr is not None and j >= 0:
             delta = rotate_key_delta(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], Hkv, key_lr.rope)

@@ -5,13 +5,17 @@ instead of a corrected copy in new slots. A long run with a leaf is attended in 
 as two low-rank terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term
 ``(q B_k^T) A_k^T`` added to the scores: ``leaf_run``); short leaf spans are gathered with the
 other keys and corrected first (``with_leaf``). ``kernels.offset_attention`` plans the runs.
+``leaf_rows`` gives a batch's leaves to the paged kernels (the Triton kernel on the GPU path).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
+
+from sglang_kvshare.kernels.flash_lora_torch import KVLeafRows
 
 if TYPE_CHECKING:
     from sglang_kvshare.lowrank import LowRank
@@ -123,3 +127,41 @@ def leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: LeafRun, 
     padded[:, :r] = a_v
     pa = FLASH(qg, keys, padded.expand(Hkv, n, D).unsqueeze(0), attn_mask=bias, scale=scale)[0][0, ..., :r]
     return (o[0].float() + pa.float() @ b_v).unsqueeze(0).to(qg.dtype), lse
+
+
+def leaf_rows(leaves: Sequence[Optional[KeyLeaf]], kv_lens: Sequence[int], layer: int) -> Optional[KVLeafRows]:
+    """The paged kernels' leaf inputs (``KVLeafRows``, aligned with the batch's kv_indices) of
+    ``layer`` for a batch whose request b reads ``leaves[b]`` (None: none) over ``kv_lens[b]``
+    keys: each distinct leaf once (factors two requests share, e.g. an inherited leaf, are
+    stacked once), A rows concatenated, ranks zero-padded to the largest. None when no request
+    reads a leaf."""
+    stacked: dict = {}  # id of a leaf's key factors -> (its index, row offset, its factors)
+    offset, leaf_ids, row_ids = 0, [], []
+    for leaf, n in zip(leaves, kv_lens):
+        ids = torch.full((n,), -1, dtype=torch.int64)
+        rows = torch.zeros(n, dtype=torch.int64)
+        if leaf is not None:
+            for fk, fv in zip(leaf.k, leaf.v):
+                if id(fk) not in stacked:
+                    stacked[id(fk)] = (len(stacked), offset, fk, fv)
+                    offset += fk.A.shape[1]
+            index = torch.tensor([stacked[id(fk)][:2] for fk in leaf.k], dtype=torch.int64)
+            inside = leaf.pos < n
+            at, which = leaf.pos[inside].cpu(), leaf.which[inside].cpu()
+            ids[at] = index[which, 0]
+            rows[at] = index[which, 1] + leaf.rows[inside].cpu()
+        leaf_ids.append(ids)
+        row_ids.append(rows)
+    if not stacked:
+        return None
+    facts = list(stacked.values())
+    r = max(fk.A.shape[-1] for *_, fk, _ in facts)
+
+    def side(pick):
+        A = torch.cat([F.pad(pick(f).A[layer], (0, r - pick(f).A.shape[-1])) for f in facts])
+        B = torch.stack([F.pad(pick(f).B[layer], (0, 0, 0, r - pick(f).B.shape[-2])) for f in facts])
+        return A, B
+
+    (A_k, B_k), (A_v, B_v) = side(lambda f: f[2]), side(lambda f: f[3])
+    dev = A_k.device
+    return KVLeafRows(torch.cat(leaf_ids).to(dev), torch.cat(row_ids).to(dev), A_k, B_k, A_v, B_v)

@@ -21,3 +21,26 @@ def test_kv_correct_triton_on_cuda_matches_reference():
     kv_correct_triton(k, v, src, dst, 1234, spec)
     torch.testing.assert_close(k, k_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v, v_ref)
+
+
+def _cuda(x):
+    if isinstance(x, torch.Tensor):
+        return x.cuda()
+    if isinstance(x, tuple) and hasattr(x, "_replace"):  # KeyLR, KeyShift, KVLeafRows
+        return type(x)(*(_cuda(y) for y in x))
+    return x
+
+
+@pytest.mark.parametrize("shift", [True, False], ids=["views-with-leaves", "leaves-in-place"])
+def test_flash_lora_triton_on_cuda_matches_reference(shift):
+    """Flash-LoRA-Attention compiled for CUDA (value and key LR, key shifts, KV leaves) against
+    the torch reference over corrected copies."""
+    from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_reference, flash_lora_attention_triton
+    from tests.kernel_batches import leaf_batch
+
+    views, key_shift, leaves, fixed, kw = leaf_batch(shift)
+    agent = torch.tensor([1, 0], dtype=torch.int32)
+    ref = flash_lora_attention_reference(*fixed, agent=agent, **kw)
+    out = flash_lora_attention_triton(*_cuda(views), agent=agent.cuda(), key_shift=_cuda(key_shift),
+                                      key_leaf=_cuda(leaves), **{k: _cuda(v) for k, v in kw.items()})
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -19,6 +19,9 @@ triton = pytest.importorskip("triton")
 from sglang_kvshare.kernels import flash_lora_attention as fla  # noqa: E402
 from sglang_kvshare.lora_cache import LoRAProjection, lora_attention_naive, lr_values  # noqa: E402
 from sglang_kvshare.rope.align import RopeSpec, inv_freq_for, shift_keys  # noqa: E402
+from tests.kernel_batches import HKV, HQ, SLOTS, D, R, leaf_batch  # noqa: E402
+from tests.kernel_batches import paged_batch as _batch  # noqa: E402
+from tests.kernel_batches import views_batch as _views_batch  # noqa: E402
 
 torch.set_num_threads(1)
 IN_SUBPROCESS = not torch.cuda.is_available() and _LATE
@@ -38,7 +41,6 @@ def test_kernels_in_fresh_process():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
 
 
-HQ, HKV, D, R, N_AGENTS, SLOTS = 9, 3, 64, 8, 3, 48
 PAGED_CASES = pytest.mark.parametrize(
     "q_lens,kv_lens,agents",
     [
@@ -48,25 +50,6 @@ PAGED_CASES = pytest.mark.parametrize(
     ids=["extend-decode-prefill", "decode-base"],
 )
 ATOL = 2e-5
-
-
-def _batch(q_lens, kv_lens, seed=0, key_lr=False):
-    """A paged batch: random KV pool, LR pools, stacked B factors, scattered slots."""
-    g = torch.Generator().manual_seed(seed)
-    k_buf = torch.randn(SLOTS, HKV, D, generator=g)
-    v_buf = torch.randn(SLOTS, HKV, D, generator=g)
-    lr_buf = torch.randn(SLOTS, N_AGENTS, R, generator=g)
-    B_v = torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2
-    kv_indices = torch.randperm(SLOTS, generator=g)[: sum(kv_lens)].to(torch.int32)
-    qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    q = torch.randn(sum(q_lens), HQ, D, generator=g)
-    kw = dict(lr_buf=lr_buf, B_v=B_v)
-    if key_lr:
-        rope = RopeSpec(inv_freq_for(D, 100000.0), D, is_neox=True)
-        kw["key_lr"] = fla.KeyLR(torch.randn(SLOTS, N_AGENTS, R, generator=g),
-                                 torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2, rope)
-    return (q, k_buf, v_buf, kv_indices, qo_indptr, kv_indptr), kw
 
 
 @kernel_test
@@ -131,20 +114,6 @@ def test_triton_key_lr_matches_reference():
                                atol=ATOL, rtol=1e-5)
 
 
-def _views_batch(key_lr=False):
-    """A batch whose requests read spans in other requests' slots (KV views): the pool holds the
-    keys with RoPE ``shift`` positions earlier than the requests read them. Returns the batch
-    with the keys as a copy would hold them, the pool as views hold it, and the per-key shifts."""
-    args, kw = _batch([6, 1], [30, 17], seed=5, key_lr=key_lr)
-    q, k_true, v_buf, kv_indices, qo_indptr, kv_indptr = args
-    shift = torch.zeros(kv_indices.shape, dtype=torch.int64)
-    shift[4:20], shift[20:30], shift[33:45] = 37, -250, 1000  # request 0: two spans; request 1: one
-    rope = RopeSpec(inv_freq_for(D, 100000.0), D, is_neox=True)
-    k_cached = k_true.clone()
-    k_cached[kv_indices.long()] = shift_keys(k_true[kv_indices.long()], -shift, rope)
-    return args, (q, k_cached, v_buf, kv_indices, qo_indptr, kv_indptr), fla.KeyShift(shift, rope), kw
-
-
 @kernel_test
 @pytest.mark.parametrize("key_lr", [False, True], ids=["value-lr", "key-and-value-lr"])
 def test_triton_key_shift_equals_attention_over_rerotated_copies(key_lr):
@@ -160,6 +129,62 @@ def test_triton_key_shift_equals_attention_over_rerotated_copies(key_lr):
     # base-model requests (no LR) take the shift too
     base = fla.flash_lora_attention_triton(*views, key_shift=key_shift)
     torch.testing.assert_close(base, fla.flash_lora_attention_reference(*copies), atol=ATOL, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("shift", [True, False], ids=["views-with-leaves", "leaves-in-place"])
+def test_triton_leaves_equal_attention_over_corrected_copies(shift):
+    """KV leaves in the kernel: keys and values read through their leaf rows (keys in the cached
+    rows' frame, turned after) attend as corrected copies at the readers' positions would."""
+    views, key_shift, leaves, fixed, kw = leaf_batch(shift)
+    agent = torch.tensor([1, 0], dtype=torch.int32)
+    ref = fla.flash_lora_attention_reference(*fixed, agent=agent, **kw)
+    out = fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, key_leaf=leaves, **kw)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
+    for path in (fla.flash_lora_attention_reference, fla.flash_lora_attention_sdpa):
+        torch.testing.assert_close(path(*views, agent=agent, key_shift=key_shift, key_leaf=leaves, **kw), ref,
+                                   atol=ATOL, rtol=1e-5)
+    # negative controls: without the leaves, or with the second leaf's B swapped in for the first
+    assert (fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, **kw) - ref).abs().max() > 1e-3
+    swapped = leaves._replace(B_v=leaves.B_v.flip(0))
+    assert (fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, key_leaf=swapped, **kw)
+            - ref).abs().max() > 1e-3
+
+
+@kernel_test
+def test_leaf_table_indexes_each_requests_leaves():
+    leaf = torch.tensor([-1, 4, 4, 2, -1, 2, 7, -1])
+    table, which = fla.leaf_table(leaf, torch.tensor([0, 5, 5, 8], dtype=torch.int32))
+    assert table.tolist() == [[2, 4], [-1, -1], [2, 7]]
+    assert which.tolist() == [-1, 1, 1, 0, -1, 0, 1, -1]
+
+
+@kernel_test
+def test_kernel_reads_the_cpu_paths_leaves_as_it_does():
+    """The CPU serving path's leaves (``KeyLeaf``: two leaves of ranks 3 and 5 on one request,
+    one read through reversed rows) given to the Triton kernel (``leaf_rows``) attend as the CPU
+    path does; a second request reading the same factors stacks them once."""
+    from sglang_kvshare.kernels.kv_leaf import leaf_rows
+    from sglang_kvshare.kernels.offset_attention import offset_extend_attention
+    from tests.unit.test_offset_attention import D as D_, ROPE, _leaf, _request
+
+    hq, hkv, layer = 6, 2, 1
+    _, k_cached, v, shifts, q_all = _request(hq, hkv, seed=5)
+    leaf, _ = _leaf(hkv, rank=3, two=True)
+    q_pos = [torch.arange(640, 700), torch.tensor([699])]
+    q = torch.cat([shift_keys(q_all[p], p, ROPE) for p in q_pos])
+    rows = leaf_rows([leaf, leaf], [700, 700], layer)
+    assert rows.B_k.shape == (2, 5, hkv * D_)  # two distinct leaves, rank padded to the largest
+    slots = torch.arange(700, dtype=torch.int32)
+    out = fla.flash_lora_attention_triton(
+        q, k_cached, v, torch.cat([slots, slots]), torch.tensor([0, 60, 61], dtype=torch.int32),
+        torch.tensor([0, 700, 1400], dtype=torch.int32), scale=D_ ** -0.5,
+        key_shift=fla.KeyShift(torch.cat([shifts, shifts]), ROPE), key_leaf=rows, block_m=64, block_n=64)
+    for (q0, q1), p in zip(((0, 60), (60, 61)), q_pos):
+        ref = offset_extend_attention(q[q0:q1], k_cached, v, slots.long(), shifts, p, D_ ** -0.5, ROPE,
+                                      leaf=leaf, layer=layer)
+        torch.testing.assert_close(out[q0:q1], ref, atol=ATOL, rtol=1e-5)
+    assert leaf_rows([None, None], [700, 700], layer) is None
 
 
 @kernel_test
