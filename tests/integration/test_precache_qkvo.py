@@ -153,6 +153,6 @@ def test_unservable_adapter_is_a_startup_error_naming_it(tmp_path, tiny_model):
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "rank_pattern": {"k_proj": 2}}))
     with pytest.raises(RuntimeError, match="server exited") as err:
         kvshare_server(tiny_model, tmp_path / "bad.log", "--enable-lora", "--lora-backend", "torch_native",
-                       "--lora-paths", f"critic={bad}", "--kvshare-lr-cache", timeout=120)
+                       "--lora-paths", f"critic={bad}", "--kvshare-lr-cache", timeout=120, starts=1)
     assert "adapter 'critic' cannot be served with --kvshare-lr-cache" in str(err.value)
     assert "rank_pattern" in str(err.value)
