@@ -77,7 +77,8 @@ def leaf_table(leaf: torch.Tensor, kv_indptr: torch.Tensor) -> Tuple[torch.Tenso
     pairs, inverse = torch.unique(torch.stack((req[has], leaf[has].long())), dim=1, return_inverse=True)
     reqs = pairs[0].contiguous()
     local = torch.arange(pairs.shape[1], device=dev) - torch.searchsorted(reqs, reqs)
-    table = torch.full((n_req, max(1, int(local.max()) + 1 if local.numel() else 1)), -1, dtype=torch.int32, device=dev)
+    width = int(local.max()) + 1 if local.numel() else 1
+    table = torch.full((n_req, width), -1, dtype=torch.int32, device=dev)
     table[pairs[0], local] = pairs[1].to(torch.int32)
     which = torch.full(leaf.shape, -1, dtype=torch.int32, device=dev)
     which[has] = local[inverse].to(torch.int32)
