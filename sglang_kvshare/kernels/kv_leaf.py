@@ -1,8 +1,8 @@
 """KV leaves in attention: keys and values read as the cached ones plus a low-rank correction.
 
 An accepted KVCMAS correction kept as ``A @ B`` beside the source's KV (``cache/leaves.py``)
-instead of a corrected copy in new slots. A long run with a leaf is attended in place, the leaf
-as two low-rank terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term
+instead of a corrected copy in new slots. A long run with a leaf is attended with the leaf as
+two low-rank terms (PReCache's LR attention, ``PV + (PA_v)B_v``, with the key term
 ``(q B_k^T) A_k^T`` added to the scores: ``leaf_run``); short leaf spans are gathered with the
 other keys and corrected first (``with_leaf``). ``kernels.offset_attention`` plans the runs.
 ``leaf_rows`` gives a batch's leaves to the paged kernels (the Triton kernel on the GPU path).
@@ -101,32 +101,36 @@ def leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: LeafRun, 
     (output [1, Hkv, R, Dv] in qg's dtype, lse [1, Hkv, R]).
 
     Few query rows (a decode step) take the scores explicitly, one pass over the keys and one
-    over the values, read in place (on this CPU 1.4-1.7x a plain run's kernel call, against
-    2-3x for two calls; the calls win from about 24 rows per KV head at 2K keys). More rows take
-    the CPU flash kernel, which does not materialise the scores: the key term as its additive
-    mask, and ``P A_v`` from a second call with A_v zero-padded to the head size as values (the
-    kernel needs equal head sizes), or explicitly when the rank exceeds the head size."""
+    over the values, read in place (on this CPU 1.4-1.7x a plain run's kernel call). More rows
+    take one call of the CPU flash kernel, which does not materialise the scores, over the
+    leaf's rank as extra channels: queries ``[q | q B_k^T]``, keys ``[k | A_k]``, values
+    ``[v | A_v]`` (the rank r_k = r_v = r, so all three have D + r channels, as the kernel
+    needs), which gives ``[PV | P A_v]`` in one pass; the keys and values are copied once per
+    call for that."""
     n, Hkv, D = k.shape
     a_k, a_v = part.k.A[layer, part.rows].float(), part.v.A[layer, part.rows].float()  # [n, r]
     b_k = part.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
     b_v = part.v.B[layer].float().view(-1, Hkv, v.shape[-1]).transpose(0, 1)
     q = qg[0].float()
-    bias = (q @ b_k.transpose(1, 2)) @ a_k.T  # [Hkv, R, n]
-    r = a_v.shape[-1]
-    if q.shape[1] <= EXPLICIT_ROWS or r > D:
-        s = torch.baddbmm(bias, q, k.permute(1, 2, 0).float(), alpha=scale, beta=scale)
+    qb = q @ b_k.transpose(1, 2)  # [Hkv, R, r]
+    if q.shape[1] <= EXPLICIT_ROWS:
+        s = torch.baddbmm(qb @ a_k.T, q, k.permute(1, 2, 0).float(), alpha=scale, beta=scale)
         top = s.amax(-1, keepdim=True)
         p = s.sub_(top).exp_()
         total = p.sum(-1, keepdim=True)
         o = torch.baddbmm(torch.bmm(p, v.permute(1, 0, 2).float()), p @ a_v, b_v).div_(total)
         return o.unsqueeze(0).to(qg.dtype), (top + total.log()).squeeze(-1).unsqueeze(0)
-    bias = bias.mul_(scale).to(qg.dtype).unsqueeze(0)
-    keys = k.movedim(0, 1).unsqueeze(0)
-    o, lse = FLASH(qg, keys, v.movedim(0, 1).unsqueeze(0), attn_mask=bias, scale=scale)[:2]
-    padded = qg.new_zeros(n, D)
-    padded[:, :r] = a_v
-    pa = FLASH(qg, keys, padded.expand(Hkv, n, D).unsqueeze(0), attn_mask=bias, scale=scale)[0][0, ..., :r]
-    return (o[0].float() + pa.float() @ b_v).unsqueeze(0).to(qg.dtype), lse
+    dt, Dv, r_v = qg.dtype, v.shape[-1], a_v.shape[-1]
+    width = max(D + a_k.shape[-1], Dv + r_v)  # zero channels where one side is narrower
+
+    def wide(x, extra):  # [x | extra | zeros] along the channels (F.pad would copy again)
+        parts = [x.to(dt), extra.to(dt).expand(*x.shape[:-1], -1)]
+        if width > x.shape[-1] + extra.shape[-1]:
+            parts.append(x.new_zeros(*x.shape[:-1], width - x.shape[-1] - extra.shape[-1]))
+        return torch.cat(parts, -1).unsqueeze(0)
+
+    o, lse = FLASH(wide(qg[0], qb), wide(k.movedim(0, 1), a_k), wide(v.movedim(0, 1), a_v), scale=scale)[:2]
+    return (o[0, ..., :Dv].float() + o[0, ..., Dv : Dv + r_v].float() @ b_v).unsqueeze(0).to(dt), lse
 
 
 def leaf_rows(leaves: Sequence[Optional[KeyLeaf]], kv_lens: Sequence[int], layer: int) -> Optional[KVLeafRows]:

@@ -127,11 +127,12 @@ def _leaf(hkv, n_layers=2, rank=3, seed=4, two=False):
 
 
 @pytest.mark.parametrize("case,rank,two", [("extend", 3, False), ("rows", 3, False), ("decode", 3, False),
-                                           ("decode", 20, False), ("extend", 3, True), ("decode", 3, True)])
+                                           ("decode", 20, False), ("extend", 20, False), ("extend", 3, True),
+                                           ("decode", 3, True)])
 def test_leaf_rows_equal_sdpa_over_corrected_copies(case, rank, two):
     """A KV leaf (a low-rank correction beside the cached K/V, keys in the cached rows' RoPE
-    frame) attends as a copy holding the corrected K/V would, in every layer's factors (a rank
-    above the head size takes the explicit path)."""
+    frame) attends as a copy holding the corrected K/V would, in every layer's factors, at ranks
+    below and above the head size."""
     hq, hkv, layer = 6, 2, 1
     k_true, k_cached, v, shifts, q_all = _request(hq, hkv, seed=5)
     leaf, (dk, dv) = _leaf(hkv, rank=rank, two=two)
