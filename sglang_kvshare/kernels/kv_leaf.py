@@ -104,9 +104,9 @@ def leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: LeafRun, 
     over the values, read in place (on this CPU 1.4-1.7x a plain run's kernel call). More rows
     take one call of the CPU flash kernel, which does not materialise the scores, over the
     leaf's rank as extra channels: queries ``[q | q B_k^T]``, keys ``[k | A_k]``, values
-    ``[v | A_v]`` (the rank r_k = r_v = r, so all three have D + r channels, as the kernel
-    needs), which gives ``[PV | P A_v]`` in one pass; the keys and values are copied once per
-    call for that."""
+    ``[v | A_v]`` (D + r channels each, as the kernel needs one head size; a narrower side is
+    zero-padded), which gives ``[PV | P A_v]`` in one pass; the widened keys and values are
+    copies made per call."""
     n, Hkv, D = k.shape
     a_k, a_v = part.k.A[layer, part.rows].float(), part.v.A[layer, part.rows].float()  # [n, r]
     b_k = part.k.B[layer].float().view(-1, Hkv, D).transpose(0, 1)  # [Hkv, r, D]
@@ -123,7 +123,7 @@ def leaf_run(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, part: LeafRun, 
     dt, Dv, r_v = qg.dtype, v.shape[-1], a_v.shape[-1]
     width = max(D + a_k.shape[-1], Dv + r_v)  # zero channels where one side is narrower
 
-    def wide(x, extra):  # [x | extra | zeros] along the channels (F.pad would copy again)
+    def wide(x, extra):  # [x | extra | zeros] along the channels, one cat (F.pad after it copies again)
         parts = [x.to(dt), extra.to(dt).expand(*x.shape[:-1], -1)]
         if width > x.shape[-1] + extra.shape[-1]:
             parts.append(x.new_zeros(*x.shape[:-1], width - x.shape[-1] - extra.shape[-1]))
