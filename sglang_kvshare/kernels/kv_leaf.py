@@ -139,33 +139,32 @@ def leaf_rows(leaves: Sequence[Optional[KeyLeaf]], kv_lens: Sequence[int], layer
     keys: each distinct leaf once (factors two requests share, e.g. an inherited leaf, are
     stacked once), A rows concatenated, ranks zero-padded to the largest. None when no request
     reads a leaf."""
-    stacked: dict = {}  # id of a leaf's key factors -> (its index, row offset, its factors)
-    offset, leaf_ids, row_ids = 0, [], []
+    stacked: dict = {}  # id of a leaf's key factors -> (its index, its first row in the stack)
+    factors, offset, leaf_ids, row_ids = [], 0, [], []
     for leaf, n in zip(leaves, kv_lens):
         ids = torch.full((n,), -1, dtype=torch.int64)
         rows = torch.zeros(n, dtype=torch.int64)
         if leaf is not None:
             for fk, fv in zip(leaf.k, leaf.v):
                 if id(fk) not in stacked:
-                    stacked[id(fk)] = (len(stacked), offset, fk, fv)
+                    stacked[id(fk)] = (len(factors), offset)
+                    factors.append((fk, fv))
                     offset += fk.A.shape[1]
-            index = torch.tensor([stacked[id(fk)][:2] for fk in leaf.k], dtype=torch.int64)
+            index = torch.tensor([stacked[id(fk)] for fk in leaf.k], dtype=torch.int64)
             inside = leaf.pos < n
             at, which = leaf.pos[inside].cpu(), leaf.which[inside].cpu()
             ids[at] = index[which, 0]
             rows[at] = index[which, 1] + leaf.rows[inside].cpu()
         leaf_ids.append(ids)
         row_ids.append(rows)
-    if not stacked:
+    if not factors:
         return None
-    facts = list(stacked.values())
-    r = max(fk.A.shape[-1] for *_, fk, _ in facts)
+    r = max(f.rank for pair in factors for f in pair)
 
-    def side(pick):
-        A = torch.cat([F.pad(pick(f).A[layer], (0, r - pick(f).A.shape[-1])) for f in facts])
-        B = torch.stack([F.pad(pick(f).B[layer], (0, 0, 0, r - pick(f).B.shape[-2])) for f in facts])
-        return A, B
+    def side(fs):  # one side's A rows concatenated and B stacked, ranks zero-padded to r
+        return (torch.cat([F.pad(f.A[layer], (0, r - f.rank)) for f in fs]),
+                torch.stack([F.pad(f.B[layer], (0, 0, 0, r - f.rank)) for f in fs]))
 
-    (A_k, B_k), (A_v, B_v) = side(lambda f: f[2]), side(lambda f: f[3])
+    (A_k, B_k), (A_v, B_v) = side([fk for fk, _ in factors]), side([fv for _, fv in factors])
     dev = A_k.device
     return KVLeafRows(torch.cat(leaf_ids).to(dev), torch.cat(row_ids).to(dev), A_k, B_k, A_v, B_v)

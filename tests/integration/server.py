@@ -51,10 +51,6 @@ class Server:
                 return
             except RuntimeError as e:
                 self.stop()
-                try:  # the group's other processes (scheduler, detokenizer) if any outlived it
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 if attempt == starts:
                     raise
                 kept = log_path.with_name(log_path.name + ".first-start.log")
@@ -94,15 +90,18 @@ class Server:
         return events
 
     def stop(self) -> None:
+        """SIGTERM to the group (30 s to exit), then SIGKILL to whatever of it is left, also when
+        the server process itself had already exited (its scheduler or detokenizer may not have)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=30)
             except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self._log.close()
 
 
