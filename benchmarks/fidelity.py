@@ -211,7 +211,7 @@ def analyse_turn(
             {k: s.get(k) for k in ("slot", "tokens", "mode", "injected_tokens", "source_agent",
                                    "gate", "entropy", "anchors", "corrected_rows", "recompute_ratio",
                                    "source_tokens", "token_layers", "recomputed_token_layers",
-                                   "layer_groups", "reason", "leaf_rank", "leaf_bytes") if k in s}
+                                   "layer_groups", "reason", "kept_as", "leaf_rank", "leaf_bytes") if k in s}
             for s in kv.get("segments") or [] if s.get("shared")
         ],
     }

@@ -16,7 +16,8 @@ tokens/s (streamed), the first agent's decode tokens/s (no view in either mode: 
 floor), and whether every greedy output equals the other mode's.
 
 ``--method kvcmas``: the agents are KVCMAS agents. An accepted correction is then kept as a view
-plus a rank ``--kvshare-leaf-rank`` KV leaf (``leaf_bytes``), against a corrected copy in copy
+plus a rank ``--kvshare-leaf-rank`` KV leaf (``leaf_bytes``; the requests ask for leaves,
+``leaves: true``, whatever ``--kvshare-leaf-policy`` decides), against a corrected copy in copy
 mode (the corrected rows' K/V bytes); the scheduler time is the correction's (gather, gate,
 delta, then the leaf or the copy: ``correction_ms``). ``--warmup`` workflows first fill the
 anchor pools (their dense fallbacks), in both modes alternately. Greedy outputs then differ
@@ -58,7 +59,7 @@ def workflow(server: Server, session: requests.Session, context: str, wf: str, a
     outputs, turns = {}, []
     for agent in agents:
         body = payload(wf, agent, method, segments(agent, outputs, AGENTS[agent], question=context), output_len,
-                       kv_views=views)
+                       kv_views=views, leaves=views)
         body["sampling_params"]["ignore_eos"] = True
         r = stream_generate(session, server.url, body, timeout=1800)
         meta = r["meta"]

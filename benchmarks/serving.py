@@ -456,6 +456,7 @@ def run_workflow(url: str, spec: PointSpec, context: str, wf_id: str, timeout: f
             recomputed_rows=kv.get("recomputed_rows", 0),
             correction_ms=kv.get("correction_ms"),
             gates=[s["gate"] for s in segs if "gate" in s],
+            kept_as=[s["kept_as"] for s in segs if "kept_as" in s],
             anchor_bytes_per_token=[(s["anchor_bytes_per_token"], s["tokens"]) for s in segs
                                     if "anchor_bytes_per_token" in s],
             kv_bytes_per_token=kv.get("kv_bytes_per_token"),
@@ -561,6 +562,8 @@ def run_point(url: str, spec: PointSpec, contexts: List[str], pid: Optional[int]
         "corrections_accepted": sum(r.get("accepted", 0) for r in ok),
         "corrections_rejected": sum(r.get("rejected", 0) for r in ok),
         "gates": dict(sorted(Counter(g for r in ok for g in r.get("gates", [])).items())),
+        # accepted corrections kept as a KV leaf or a copy (``--kvshare-leaf-policy``)
+        "kept_as": dict(sorted(Counter(k for r in ok for k in r.get("kept_as", [])).items())),
         "correction_ms": pct([r["correction_ms"] for r in later if r.get("correction_ms") is not None]),
         "anchor_bytes_per_token": sum(b * n for b, n in bpt) / sum(n for _, n in bpt) if bpt else None,
         "kv_bytes_per_token": kv_bpt[0] if kv_bpt else None,
@@ -738,6 +741,7 @@ def capacity(runner: Runner, args) -> Dict[str, Dict[str, Dict[str, Optional[flo
                             "ttft_fallback_p90_s": get_path(res, "ttft_fallback_s.p90"),
                             "fallback_turns": res["fallback_turns"], "recomputed_rows": res["recomputed_rows"],
                             "correction_ms_p50": get_path(res, "correction_ms.p50"), "gates": res["gates"],
+                            "kept_as": res["kept_as"],
                             "workflow_latency_p50_s": get_path(res, "workflow_latency_s.p50"),
                             "errors": res["errors"]}
     return capacity_ratios(out)

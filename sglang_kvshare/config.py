@@ -66,6 +66,15 @@ class KVShareArgs:
         "layer (keys and values; 8 kept all of the correction's gain in benchmarks.leaf_study, "
         "docs/results.md); 0: the corrected segment is written as a copy into the agent's own slots",
     )
+    leaf_policy: str = _flag(
+        "pressure",
+        "when an accepted correction becomes a leaf (--kvshare-leaf-rank > 0): 'pressure' writes a "
+        "corrected copy while the KV pool holds it without evicting a source that is read again "
+        "(free slots, or an LRU entry older than the p90 time between a source's uses), and a "
+        "leaf otherwise (leaves cost correction and decode time on the CPU, docs/results.md); "
+        "'always' keeps every accepted correction as a leaf; a request's 'leaves' key overrides",
+        choices=lambda: ["pressure", "always"],
+    )
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
     recompute_ratio: float = _flag(
@@ -169,6 +178,7 @@ class KVShareArgs:
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
             ("kv_views", self.kv_views in ("on", "off"), "'on' or 'off'"),
             ("leaf_rank", self.leaf_rank >= 0, ">= 0"),
+            ("leaf_policy", self.leaf_policy in ("pressure", "always"), "'pressure' or 'always'"),
             ("keep_freed_memory", self.keep_freed_memory in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),

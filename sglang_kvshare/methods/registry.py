@@ -151,8 +151,9 @@ def method_variant(label: str) -> tuple[str, dict]:
     """A benchmark label ``METHOD[+VARIANT...]`` -> (method, annotation keys). Variants: the
     fallback of a correction method (``+dense``; ``+rows64``: ``fallback: rows``,
     ``fallback_block: 64``; ``+rows``: the server's block size), ``+rho0.5``: the gate's reuse
-    target for the request (``target_rho``), or ``+copy``: later agents copy shared segments
-    instead of reading them in place (``kv_views: false``). Plain method names map to themselves;
+    target for the request (``target_rho``), ``+copy``: later agents copy shared segments
+    instead of reading them in place (``kv_views: false``), or ``+leaf``: every accepted
+    correction a KV leaf, whatever the pool (``leaves: true``). Plain method names map to themselves;
     variants combine (``kvcmas+dense+rho0.5``)."""
     name, *variants = label.split("+")
     get_method(name)
@@ -160,6 +161,8 @@ def method_variant(label: str) -> tuple[str, dict]:
     for variant in variants:
         if variant == "copy":
             keys["kv_views"] = False
+        elif variant == "leaf":
+            keys["leaves"] = True
         elif variant == "dense":
             keys["fallback"] = "dense"
         elif variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
@@ -167,7 +170,7 @@ def method_variant(label: str) -> tuple[str, dict]:
         elif variant.startswith("rho") and _is_number(variant[3:]):
             keys["target_rho"] = float(variant[3:])
         else:
-            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX or copy)")
+            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX, copy or leaf)")
     return name, keys
 
 

@@ -35,6 +35,11 @@ class SourceRecord:
     start: int  # the slot's tokens are token_ids[start:end]
     end: int
 
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """A small identity of the record (its namespace names the workflow and agent)."""
+        return self.namespace, self.start, self.end
+
 
 class SourceRegistry:
     """Per workflow, per slot: the materialised caches, most recent last.

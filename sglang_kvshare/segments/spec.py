@@ -45,6 +45,8 @@ class KVShareAnnotation:
     fallback: Optional[str] = None  # "dense" | "rows" (None: the server's)
     fallback_block: Optional[int] = None
     kv_views: Optional[bool] = None  # False: copy shared segments even where views run (None: the server's)
+    # an accepted correction as a KV leaf: True always, False never (None: --kvshare-leaf-policy)
+    leaves: Optional[bool] = None
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -59,7 +61,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
     known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho",
-             "fallback", "fallback_block", "kv_views"}
+             "fallback", "fallback_block", "kv_views", "leaves"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -137,6 +139,9 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     kv_views = raw.get("kv_views")
     if kv_views is not None and not isinstance(kv_views, bool):
         raise AnnotationError(f"kvshare.kv_views must be true or false, got {kv_views!r}")
+    leaves = raw.get("leaves")
+    if leaves is not None and not isinstance(leaves, bool):
+        raise AnnotationError(f"kvshare.leaves must be true or false, got {leaves!r}")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -149,6 +154,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         fallback=fallback,
         fallback_block=block,
         kv_views=kv_views,
+        leaves=leaves,
     )
 
 
@@ -217,6 +223,7 @@ class WireSpec:
     fallback: Optional[str] = None
     fallback_block: Optional[int] = None
     kv_views: Optional[bool] = None
+    leaves: Optional[bool] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
     # ReBaseShared LP: tokens of the earlier turns' adapter-free rebuilds this request waited for

@@ -124,11 +124,12 @@ def _kvcmas(server, wf: str, question: str, slot: str, **extra) -> list[dict]:
 
 def _leaf_and_copy(server, slot: str):
     """Anchors from two short questions (dense fallbacks), then one long question with KV
-    leaves and in copy mode: (leaf results, copy results, tree growth of each)."""
+    leaves (asked for: ``leaves: true``) and in copy mode: (leaf results, copy results, tree
+    growth of each)."""
     for seed in (1, 2):
         _kvcmas(server, f"{slot}-warm-{seed}", _facts(seed, 5), slot)
     question, grown, runs = _facts(9, 24), {}, {}
-    for mode, extra in (("leaf", {}), ("copy", {"kv_views": False})):
+    for mode, extra in (("leaf", {"leaves": True}), ("copy", {"kv_views": False})):
         before = settle(server)["tree_tokens"]
         runs[mode] = _kvcmas(server, f"{slot}-{mode}", question, slot, **extra)
         grown[mode] = settle(server)["tree_tokens"] - before
@@ -159,9 +160,9 @@ def test_full_rank_leaves_generate_as_copy_mode(full_leaf_server):
     assert stats["leaves"] == 0 and stats["leaf_bytes"] == 0 and stats["double_frees"] == 0
 
 
-def test_default_leaves_are_rank_8_and_smaller_than_the_copy(tiny_server):
-    """At the default rank an accepted correction reads the source's slots and a rank-8 leaf
-    (fewer bytes than the corrected rows' K/V) instead of a copy."""
+def test_leaves_are_rank_8_and_smaller_than_the_copy(tiny_server):
+    """At the default rank an accepted correction kept as a leaf reads the source's slots and a
+    rank-8 leaf (fewer bytes than the corrected rows' K/V) instead of a copy."""
     leaf, copy, grown = _leaf_and_copy(tiny_server, "q-leaf-8")
     q = leaf[1]["meta_info"]["kvshare"]["segments"][1]
     assert q["mode"] == "corrected" and q["leaf_rank"] == 8, q
@@ -200,16 +201,71 @@ def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):
     assert again.status_code == 200
 
 
-def test_soak_with_evictions_leaks_no_slot(tmp_path, tiny_model):
+@pytest.fixture(scope="module")
+def small_pool_server(tmp_path_factory, tiny_model):
+    d = tmp_path_factory.mktemp("tiny-small-pool")
+    server = kvshare_server(tiny_model, d / "server.log", "--max-total-tokens", "3000")
+    yield server
+    server.stop()
+
+
+def _segment(result: dict) -> dict:
+    return result["meta_info"]["kvshare"]["segments"][1]
+
+
+def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_kv(small_pool_server):
+    """``--kvshare-leaf-policy pressure`` (the default): an accepted correction is a corrected
+    copy while the pool has free slots for it; once writing it would evict entries used more
+    recently than sources are reused (the p90 time between a source's uses), it is a leaf."""
+    server, pause = small_pool_server, 4.0
+    flush_cache(server)
+    for seed in (1, 2):  # anchors; every source is read ``pause`` s after its last use
+        outputs = {}
+        for agent in AGENTS:
+            if outputs:
+                time.sleep(pause)
+            r = server.generate(payload(f"policy-warm-{seed}", agent, "kvcmas",
+                                        segments(agent, outputs, question=_facts(seed, 24), slot="q-policy"), 8, tau=1.0))
+            assert r.status_code == 200, r.text
+            outputs[agent] = r.json()["text"]
+    assert settle(server)["reuse_horizon_s"] >= pause
+
+    # pressure: the tree holds the source and fresh plain requests that leave fewer free slots
+    # than the correction's rows; what eviction would take was used < ``pause`` s ago
+    flush_cache(server)
+    question = _facts(12, 24)
+    first = server.generate(payload("policy-pressure", "solver", "kvcmas", segments("solver", {}, question=question,
+                                                                                      slot="q-policy"), 8, tau=1.0))
+    assert first.status_code == 200, first.text
+    info = requests.get(server.url + "/server_info", timeout=30).json()
+    total = info["max_total_num_tokens"]
+    filler = total - settle(server)["tree_tokens"] - 150
+    plain = server.generate({"input_ids": [1000 + i % 5000 for i in range(filler)],
+                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert plain.status_code == 200, plain.text
+    read = server.generate(payload("policy-pressure", "critic", "kvcmas",
+                                   segments("critic", {"solver": first.json()["text"]}, question=question,
+                                            slot="q-policy"), 8, tau=1.0))
+    assert read.status_code == 200, read.text
+    q = _segment(read.json())
+    assert q["corrected_rows"] > 150 and q["kept_as"] == "leaf" and q["leaf_rank"] == 8, q
+    assert read.json()["meta_info"]["kvshare"]["view_tokens"] >= q["tokens"]
+
+    # room: after a flush the same chain writes corrected copies
+    flush_cache(server)
+    room = _kvcmas(server, "policy-room", question, "q-policy")
+    for r in room[1:]:
+        q = _segment(r)
+        assert q["mode"] == "corrected" and q["kept_as"] == "copy" and "leaf_rank" not in q, q
+    assert settle(server)["leaves"] == 0
+
+
+def test_soak_with_evictions_leaks_no_slot(small_pool_server):
     """The soak benchmark's short version: 100 requests, mixed methods, clients that leave, a
     pool small enough that sources are evicted under their readers."""
     from benchmarks.kv_views_soak import check, soak
 
-    server = kvshare_server(tiny_model, tmp_path / "server.log", "--max-total-tokens", "3000")
-    try:
-        res = soak(server, 100, seed=1)
-        assert server.proc.poll() is None, server.log_tail()
-    finally:
-        server.stop()
+    res = soak(small_pool_server, 100, seed=1)
+    assert small_pool_server.proc.poll() is None, small_pool_server.log_tail()
     assert check(res) == [], res
     assert res["ok"] >= 70 and res["left"] >= 1, res

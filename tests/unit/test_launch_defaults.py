@@ -150,3 +150,18 @@ def test_keep_freed_memory_keeps_a_freed_tensor_in_the_process():
         out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode], capture_output=True, text=True, check=True)
         kept[mode] = float(out.stdout.split()[-1])
     assert kept["default"] < 16 and kept["keep"] > 48, kept
+
+
+def test_leaf_policy_flag():
+    import argparse
+
+    from sglang_kvshare.config import KVShareArgs
+
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    assert KVShareArgs.from_cli_args(parser.parse_args([])).leaf_policy == "pressure"
+    assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-leaf-policy", "always"])).leaf_policy == "always"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kvshare-leaf-policy", "never"])
+    with pytest.raises(ValueError, match="--kvshare-leaf-policy must be 'pressure' or 'always'"):
+        KVShareArgs(leaf_policy="sometimes")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from array import array
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_kvshare.integration.cache.kv_io import stack_kv
 from sglang_kvshare.integration.cache.views import KVViews
+from sglang_kvshare.segments.reuse import copies_fit
 from sglang_kvshare.segments.sources import SourceRecord
 
 BACKEND_NAME = "kvshare"
@@ -46,6 +48,7 @@ class KVShareRadixCache(RadixCache):
         None when the slot's start is not cached any more. The caller must ``lock(node)`` before
         allocating, and may use ``indices`` only while it holds the lock.
         """
+        self.session.reuse.touch(rec.key)
         end = min(rec.start + num_tokens, rec.end)
         key = RadixKey(array("q", rec.token_ids[:end]), extra_key=rec.namespace)
         match = self.match_prefix(MatchPrefixParams(key=key))
@@ -55,6 +58,17 @@ class KVShareRadixCache(RadixCache):
         node = match.last_device_node
         indices = self.path_device_indices(node)[rec.start : rec.start + cached]
         return node, indices
+
+    def copies_fit(self, rows: int) -> bool:
+        """Whether ``rows`` more slots can be had without evicting a source that is read again
+        (``segments.reuse.copies_fit``: free slots, or a least recently used evictable leaf
+        older than the reuse horizon)."""
+        free = self.token_to_kv_pool_allocator.available_size()
+        if free >= rows:
+            return True
+        oldest = min((node.last_access_time for node in self.evictable_leaves), default=None)
+        age = None if oldest is None else time.monotonic() - oldest
+        return copies_fit(free, rows, age, self.session.reuse.horizon())
 
     def checkpoint(self, req, *, up_to: int):
         """Stock insert; under ``baseshared`` the agent's own LR column of tokens it recomputed

@@ -176,12 +176,16 @@ def correct_segment(
 def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool) -> Optional[torch.Tensor]:
     """An accepted correction of rows ``:k`` of ``n`` kept as KV view + leaf (``cache/leaves.py``):
     the request reads the source's slots, which it returns, with the correction (and any leaf the
-    source agent reads them with) as a rank ``--kvshare-leaf-rank`` leaf. None where it cannot:
-    leaves off, copy mode asked for, the agent already has a leaf on these slots, or the
-    segment's keys do not carry RoPE at one offset from its rows."""
+    source agent reads them with) as a rank ``--kvshare-leaf-rank`` leaf. None where it cannot or
+    should not: leaves off, copy mode or no leaves asked for, the pool holds the copy without
+    evicting a source read again (``--kvshare-leaf-policy pressure``), the agent already has a
+    leaf on these slots, or the segment's keys do not carry RoPE at one offset from its rows."""
     views = ses.views
     leaves = None if views is None else views.leaves
-    if leaves is None or st.spec.kv_views is False:
+    if leaves is None or st.spec.kv_views is False or st.spec.leaves is False:
+        return None
+    if st.spec.leaves is None and ses.args.leaf_policy == "pressure" and ses.tree.copies_fit(k):
+        record["kept_as"] = "copy"
         return None
     slots = src[:n]
     if leaves.has(st.spec.agent, slots):
@@ -200,7 +204,7 @@ def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool
             leaves.add_to(rec.agent, slots, dk, dv, key_shift=-p0, rope=rope, head_dim=head_dim)
         fk, fv = leaf_factors(dk, dv, p0, views.leaf_rank, rope, head_dim, k_buf.dtype)
         leaves.attach(st.spec.agent, slots[:rows], fk, fv)
-        record.update(leaf_rank=fk.rank, leaf_bytes=fk.nbytes + fv.nbytes)
+        record.update(kept_as="leaf", leaf_rank=fk.rank, leaf_bytes=fk.nbytes + fv.nbytes)
     return views.read_in_place(st, slots, torch.arange(rec.start, rec.start + n), rec.agent)
 
 

@@ -37,4 +37,6 @@ def release(ses, tree, req, checkpointed: bool) -> None:
         tree.dump(req, st, owned, ses.args.dump_dir)
     tokens = tuple(req.full_untruncated_fill_ids[:owned])
     for slot, start, end in st.cached_slots(owned):
-        ses.registry.record(spec.workflow, slot, SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end))
+        rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
+        ses.registry.record(spec.workflow, slot, rec)
+        ses.reuse.touch(rec.key)  # written: its first reader's wait counts from here

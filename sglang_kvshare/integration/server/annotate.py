@@ -83,6 +83,7 @@ class AnnotationMixin:
             fallback=ann.fallback,
             fallback_block=ann.fallback_block,
             kv_views=ann.kv_views,
+            leaves=ann.leaves,
         )
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:

@@ -24,6 +24,7 @@ from sglang_kvshare.lowrank import native_bfloat16
 from sglang_kvshare.recompute import DroidSpeakProfile
 from sglang_kvshare.recompute.hidden_store import HiddenStore
 from sglang_kvshare.rope import RopeSpec, rope_spec_for_model
+from sglang_kvshare.segments.reuse import ReuseClock
 from sglang_kvshare.segments.sources import SourceRegistry, common_prefix
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Session:
         self.twins = TwinPairs()  # ReBaseShared DB
         self._own_columns: Optional[FIFOCache] = None
         self.registry = SourceRegistry(args.max_workflows)
+        self.reuse = ReuseClock()  # times between a source's uses (``--kvshare-leaf-policy pressure``)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}
         self._controllers: dict[tuple[str, Optional[float]], Any] = {}
@@ -176,6 +178,7 @@ class Session:
             "correctors": {name: c.stats() for name, c in self._correctors.items()},
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
             "view_tokens": self.view_tokens(),
+            "reuse_horizon_s": self.reuse.horizon(),
         } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
             {} if self.views is None else self.views.stats())
 
