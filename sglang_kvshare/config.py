@@ -70,7 +70,7 @@ class KVShareArgs:
         "pressure",
         "when an accepted correction becomes a leaf (--kvshare-leaf-rank > 0): 'pressure' writes a "
         "corrected copy while the KV pool holds it without evicting a source that is read again "
-        "(free slots, or an LRU entry older than the p90 time between a source's uses), and a "
+        "(free slots, or LRU victims all older than the p90 time between a source's uses), and a "
         "leaf otherwise (leaves cost correction and decode time on the CPU, docs/results.md); "
         "'always' keeps every accepted correction as a leaf; a request's 'leaves' key overrides",
         choices=lambda: ["pressure", "always"],

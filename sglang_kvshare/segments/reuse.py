@@ -2,11 +2,11 @@
 
 A later agent reads a source's cache one turn after it was written or last read. An LRU cache
 (SGLang's radix tree) keeps what was used within its *characteristic time*: the age of the
-entry it would evict next. While that age exceeds the reuse distance, writing more (a
+entries it would evict next. While that age exceeds the reuse distance, writing more (a
 corrected copy instead of a KV leaf) evicts only entries that are not read again; once it
 falls below, each copy pushes out a source that a workflow in flight still needs. Plain
 bookkeeping, no tensors: the tree (``integration/cache/radix.py``) supplies its free slots and
-the age of its least recently used evictable entry.
+the age of the youngest entry that eviction would take for the rows.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ class ReuseClock:
 
 def copies_fit(free: int, rows: int, lru_age: Optional[float], horizon: Optional[float]) -> bool:
     """Whether writing ``rows`` more KV rows evicts nothing that is read again: the pool has
-    ``free`` slots for them, or the entry eviction takes first was last used ``lru_age`` seconds
-    ago, longer than the reuse ``horizon`` (no horizon: nothing has been read again yet).
-    Nothing evictable (``lru_age`` None) while short of slots: they do not fit."""
+    ``free`` slots for them, or the youngest of the entries eviction would take for them was
+    last used ``lru_age`` seconds ago, longer than the reuse ``horizon`` (no horizon: nothing
+    has been read again yet). Too little evictable (``lru_age`` None): they do not fit."""
     if free >= rows:
         return True
     if lru_age is None:

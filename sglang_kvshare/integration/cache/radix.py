@@ -61,13 +61,21 @@ class KVShareRadixCache(RadixCache):
 
     def copies_fit(self, rows: int) -> bool:
         """Whether ``rows`` more slots can be had without evicting a source that is read again
-        (``segments.reuse.copies_fit``: free slots, or a least recently used evictable leaf
-        older than the reuse horizon)."""
+        (``segments.reuse.copies_fit``): free slots, or the evictable leaves that LRU eviction
+        would take for them, least recently used first, all older than the reuse horizon. The
+        age compared is the youngest of them; when the leaves hold too few tokens, nothing."""
         free = self.token_to_kv_pool_allocator.available_size()
         if free >= rows:
             return True
-        oldest = min((node.last_access_time for node in self.evictable_leaves), default=None)
-        age = None if oldest is None else time.monotonic() - oldest
+        taken, youngest = 0, None
+        for node in sorted(self.evictable_leaves, key=lambda n: n.last_access_time):
+            taken += len(node.value)
+            youngest = node.last_access_time
+            if free + taken >= rows:
+                break
+        else:
+            youngest = None  # parents would go too: no age, the copy does not fit
+        age = None if youngest is None else time.monotonic() - youngest
         return copies_fit(free, rows, age, self.session.reuse.horizon())
 
     def checkpoint(self, req, *, up_to: int):
