@@ -17,12 +17,16 @@ from tests.integration.workflow_helpers import flush_cache, payload, scrape_metr
 AGENTS = ("solver", "critic", "final")
 
 
-@pytest.fixture(scope="module")
-def copy_server(tmp_path_factory, tiny_model):
-    d = tmp_path_factory.mktemp("tiny-copy")
-    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-kv-views", "off")
+def _module_server(tmp_path_factory, tiny_model, name: str, *flags: str):
+    """A tiny-model server with ``flags`` for one module's fixture (``yield from``)."""
+    server = kvshare_server(tiny_model, tmp_path_factory.mktemp(name) / "server.log", *flags)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def copy_server(tmp_path_factory, tiny_model):
+    yield from _module_server(tmp_path_factory, tiny_model, "tiny-copy", "--kvshare-kv-views", "off")
 
 
 def _workflow(server, wf: str, max_new_tokens: int = 16) -> list[dict]:
@@ -100,11 +104,8 @@ def _facts(seed: int, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def full_leaf_server(tmp_path_factory, tiny_model):
-    d = tmp_path_factory.mktemp("tiny-leaf32")
-    server = kvshare_server(tiny_model, d / "server.log", "--kvshare-leaf-rank", "32")  # the tiny model's K/V width
-    yield server
-    server.stop()
+def full_leaf_server(tmp_path_factory, tiny_model):  # rank 32: the tiny model's K/V width
+    yield from _module_server(tmp_path_factory, tiny_model, "tiny-leaf32", "--kvshare-leaf-rank", "32")
 
 
 def _kvcmas(server, wf: str, question: str, slot: str, **extra) -> list[dict]:
@@ -120,6 +121,11 @@ def _kvcmas(server, wf: str, question: str, slot: str, **extra) -> list[dict]:
         outputs[agent] = r.json()["text"]
     settle(server)
     return results
+
+
+def _segment(result: dict) -> dict:
+    """The question's segment record of a workflow turn (segment 0 is the system prompt)."""
+    return result["meta_info"]["kvshare"]["segments"][1]
 
 
 def _leaf_and_copy(server, slot: str):
@@ -152,7 +158,7 @@ def test_full_rank_leaves_generate_as_copy_mode(full_leaf_server):
         ll = [t[0] for t in lr["meta_info"]["output_token_logprobs"]]
         lc = [t[0] for t in cr["meta_info"]["output_token_logprobs"]]
         assert ll == pytest.approx(lc, abs=1e-3)
-    assert grown["leaf"] <= grown["copy"] - 2 * leaf[1]["meta_info"]["kvshare"]["segments"][1]["tokens"]
+    assert grown["leaf"] <= grown["copy"] - 2 * _segment(leaf[1])["tokens"]
     stats = settle(full_leaf_server)
     assert stats["leaves"] >= 2 and stats["leaf_bytes"] > 0
     flush_cache(full_leaf_server)
@@ -164,7 +170,7 @@ def test_leaves_are_rank_8_and_smaller_than_the_copy(tiny_server):
     """At the default rank an accepted correction kept as a leaf reads the source's slots and a
     rank-8 leaf (fewer bytes than the corrected rows' K/V) instead of a copy."""
     leaf, copy, grown = _leaf_and_copy(tiny_server, "q-leaf-8")
-    q = leaf[1]["meta_info"]["kvshare"]["segments"][1]
+    q = _segment(leaf[1])
     assert q["mode"] == "corrected" and q["leaf_rank"] == 8, q
     assert leaf[1]["meta_info"]["kvshare"]["view_tokens"] >= q["tokens"]
     kv_bytes = leaf[1]["meta_info"]["kvshare"].get("kv_bytes_per_token")
@@ -203,14 +209,7 @@ def test_concurrent_and_aborted_readers_free_every_slot_once(tiny_server):
 
 @pytest.fixture(scope="module")
 def small_pool_server(tmp_path_factory, tiny_model):
-    d = tmp_path_factory.mktemp("tiny-small-pool")
-    server = kvshare_server(tiny_model, d / "server.log", "--max-total-tokens", "3000")
-    yield server
-    server.stop()
-
-
-def _segment(result: dict) -> dict:
-    return result["meta_info"]["kvshare"]["segments"][1]
+    yield from _module_server(tmp_path_factory, tiny_model, "tiny-small-pool", "--max-total-tokens", "3000")
 
 
 def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_kv(small_pool_server):

@@ -111,19 +111,24 @@ def test_fallback_flags():
         KVShareArgs(fallback_block=0)
 
 
-def test_keep_freed_memory_flag():
+@pytest.mark.parametrize("flag,default,other,bad_cli,bad_value,message", [
+    ("keep_freed_memory", "on", "off", "yes", "maybe", "'on' or 'off'"),
+    ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
+])
+def test_choice_flags(flag, default, other, bad_cli, bad_value, message):
     import argparse
 
     from sglang_kvshare.config import KVShareArgs
 
+    option = "--kvshare-" + flag.replace("_", "-")
     parser = argparse.ArgumentParser()
     KVShareArgs.add_cli_args(parser)
-    assert KVShareArgs.from_cli_args(parser.parse_args([])).keep_freed_memory == "on"
-    assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-keep-freed-memory", "off"])).keep_freed_memory == "off"
+    assert getattr(KVShareArgs.from_cli_args(parser.parse_args([])), flag) == default
+    assert getattr(KVShareArgs.from_cli_args(parser.parse_args([option, other])), flag) == other
     with pytest.raises(SystemExit):
-        parser.parse_args(["--kvshare-keep-freed-memory", "yes"])
-    with pytest.raises(ValueError, match="--kvshare-keep-freed-memory must be 'on' or 'off'"):
-        KVShareArgs(keep_freed_memory="maybe")
+        parser.parse_args([option, bad_cli])
+    with pytest.raises(ValueError, match=f"{option} must be {message}"):
+        KVShareArgs(**{flag: bad_value})
 
 
 _RSS_AFTER_FREE = """
@@ -151,17 +156,3 @@ def test_keep_freed_memory_keeps_a_freed_tensor_in_the_process():
         kept[mode] = float(out.stdout.split()[-1])
     assert kept["default"] < 16 and kept["keep"] > 48, kept
 
-
-def test_leaf_policy_flag():
-    import argparse
-
-    from sglang_kvshare.config import KVShareArgs
-
-    parser = argparse.ArgumentParser()
-    KVShareArgs.add_cli_args(parser)
-    assert KVShareArgs.from_cli_args(parser.parse_args([])).leaf_policy == "pressure"
-    assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-leaf-policy", "always"])).leaf_policy == "always"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--kvshare-leaf-policy", "never"])
-    with pytest.raises(ValueError, match="--kvshare-leaf-policy must be 'pressure' or 'always'"):
-        KVShareArgs(leaf_policy="sometimes")
