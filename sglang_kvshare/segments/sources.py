@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from cachetools import FIFOCache
+from cachetools import FIFOCache, LRUCache
 
 
 # The agent name under which a workflow's context-free reference caches are recorded.
@@ -44,20 +44,37 @@ class SourceRecord:
 class SourceRegistry:
     """Per workflow, per slot: the materialised caches, most recent last.
 
-    Workflows are forgotten least-recently-used first beyond ``max_workflows``.
+    Workflows are forgotten least-recently-used first beyond ``max_workflows``. A chained reader
+    starts from the most recent agent's record of a slot, so a record is *superseded* once
+    another agent records the slot after it; a namespace whose records are all superseded is
+    :meth:`spent`.
     """
 
     def __init__(self, max_workflows: int = 4096):
         self.max_workflows = max_workflows
         # workflow -> slot -> records; recording into a workflow makes it the most recent
         self._flows: FIFOCache = FIFOCache(max_workflows)
+        # namespace -> number of slots whose most recent agent record is in it
+        self._latest: LRUCache = LRUCache(16 * max_workflows)
 
     def record(self, workflow: str, slot: str, rec: SourceRecord) -> None:
         slots = self._flows.get(workflow, {})
         self._flows[workflow] = slots
-        recs = [r for r in slots.get(slot, []) if r.agent != rec.agent]
+        old = slots.get(slot, [])
+        if rec.agent != REFERENCE_AGENT:
+            prev = next((r for r in reversed(old) if r.agent != REFERENCE_AGENT), None)
+            if prev is not None:
+                self._latest[prev.namespace] = max(self._latest.get(prev.namespace, 1) - 1, 0)
+            self._latest[rec.namespace] = self._latest.get(rec.namespace, 0) + 1
+        recs = [r for r in old if r.agent != rec.agent]
         recs.append(rec)
         slots[slot] = recs
+
+    def spent(self, namespace: str) -> bool:
+        """Whether every record of ``namespace`` was superseded, so that no chained reader
+        starts from it again. A reader naming its source agent (``kvshare.sources``) may still;
+        unknown namespaces and reference records are never spent."""
+        return self._latest.get(namespace) == 0
 
     def lookup(
         self, workflow: str, slot: str, agent: Optional[str] = None, exclude: Optional[str] = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kvshare.segments.reuse import ReuseClock, copies_fit
+from sglang_kvshare.segments.reuse import ReuseClock, copies_fit, lru_victims
 
 
 class Clock:
@@ -65,3 +65,30 @@ def test_forgotten_sources_start_over():
 ])
 def test_copies_fit_when_eviction_takes_nothing_that_is_read_again(free, rows, lru_age, horizon, fits):
     assert copies_fit(free, rows, lru_age, horizon) is fits
+
+
+class Node:
+    """A radix-tree node as ``lru_victims`` reads it."""
+
+    def __init__(self, name, size, used, parent=None, locked=0):
+        self.name, self.value, self.last_access_time, self.lock_ref = name, [0] * size, used, locked
+        self.parent, self.children = parent, {}
+        if parent is not None:
+            parent.children[name] = self
+
+
+def test_lru_victims_follow_eviction_order_into_parents():
+    root = Node("root", 0, 0.0, locked=1)
+    a = Node("a", 100, 5.0, root)           # a -> a1 (1.0), a2 (3.0)
+    a1, a2 = Node("a1", 50, 1.0, a), Node("a2", 50, 3.0, a)
+    b = Node("b", 200, 2.0, root, locked=1)  # a running request holds b; its child is a leaf
+    b1 = Node("b1", 30, 4.0, b)
+    leaves = [a1, a2, b1]
+    by_age = lambda n: n.last_access_time  # noqa: E731
+    names = lambda v: [n.name for n in v]  # noqa: E731
+    assert names(lru_victims(leaves, 40, by_age)) == ["a1"]
+    assert names(lru_victims(leaves, 60, by_age)) == ["a1", "a2"]
+    # a becomes a leaf once both children went, and is younger than b1
+    assert names(lru_victims(leaves, 130, by_age)) == ["a1", "a2", "b1"]
+    assert names(lru_victims(leaves, 200, by_age)) == ["a1", "a2", "b1", "a"]
+    assert lru_victims(leaves, 231, by_age) is None  # b is locked: 230 slots at most

@@ -2,7 +2,7 @@ import pytest
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.segments import AnnotationError, Segment, Span, WireSpec, parse_annotation, tokenize_segments
-from sglang_kvshare.segments.sources import SourceRecord, SourceRegistry
+from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, SourceRegistry
 
 
 def _ann(**kw):
@@ -71,6 +71,24 @@ def test_source_registry_latest_by_agent_and_lru():
     reg.record("w2", "q", rec("a"))
     reg.record("w3", "q", rec("a"))
     assert not reg.has("w1", "q") and reg.has("w3", "q")
+
+
+def test_a_namespace_is_spent_once_later_agents_superseded_all_its_records():
+    reg = SourceRegistry()
+    rec = lambda agent: SourceRecord(agent, "ns-" + agent, (1, 2, 3), 1, 3)  # noqa: E731
+    reg.record("w", "q", rec("a"))
+    reg.record("w", "out:a", rec("a"))
+    assert not reg.spent("ns-a") and not reg.spent("ns-unknown")
+    reg.record("w", "q", rec("b"))
+    assert not reg.spent("ns-a")  # its output is still the latest record of out:a
+    reg.record("w", "out:a", rec("b"))
+    assert reg.spent("ns-a") and not reg.spent("ns-b")
+    reg.record("w", "q", SourceRecord(REFERENCE_AGENT, "ns-ref", (1, 2, 3), 1, 3))
+    assert not reg.spent("ns-b") and not reg.spent("ns-ref")  # references supersede nothing
+    reg.record("w", "q", rec("a"))  # a again: the latest of q once more
+    assert not reg.spent("ns-a") and not reg.spent("ns-b")
+    reg.record("w", "out:a", rec("a"))
+    assert reg.spent("ns-b")
 
 
 def test_cli_flags_come_from_the_dataclass():

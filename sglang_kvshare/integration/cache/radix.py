@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from array import array
 from pathlib import Path
@@ -24,7 +25,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
 from sglang_kvshare.integration.cache.kv_io import stack_kv
 from sglang_kvshare.integration.cache.views import KVViews
-from sglang_kvshare.segments.reuse import copies_fit
+from sglang_kvshare.segments.reuse import copies_fit, lru_victims
 from sglang_kvshare.segments.sources import SourceRecord
 
 BACKEND_NAME = "kvshare"
@@ -61,21 +62,20 @@ class KVShareRadixCache(RadixCache):
 
     def copies_fit(self, rows: int) -> bool:
         """Whether ``rows`` more slots can be had without evicting a source that is read again
-        (``segments.reuse.copies_fit``): free slots, or the evictable leaves that LRU eviction
-        would take for them, least recently used first, all older than the reuse horizon. The
-        age compared is the youngest of them; when the leaves hold too few tokens, nothing."""
+        (``segments.reuse.copies_fit``): free slots, or what LRU eviction would take for them
+        (``segments.reuse.lru_victims``) older than the reuse horizon. The age compared is the
+        youngest victim's, skipping spent ones (a namespace whose every source record a later
+        agent superseded); when eviction cannot free enough, nothing fits."""
         free = self.token_to_kv_pool_allocator.available_size()
         if free >= rows:
             return True
-        taken, youngest = 0, None
-        for node in sorted(self.evictable_leaves, key=lambda n: n.last_access_time):
-            taken += len(node.value)
-            youngest = node.last_access_time
-            if free + taken >= rows:
-                break
+        victims = lru_victims(self.evictable_leaves, rows - free, self.eviction_strategy.get_priority)
+        if victims is None:
+            age = None
         else:
-            youngest = None  # parents would go too: no age, the copy does not fit
-        age = None if youngest is None else time.monotonic() - youngest
+            spent = self.session.registry.spent
+            live = [v.last_access_time for v in victims if not spent(v.key.extra_key)]
+            age = time.monotonic() - max(live) if live else math.inf
         return copies_fit(free, rows, age, self.session.reuse.horizon())
 
     def checkpoint(self, req, *, up_to: int):
