@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from sglang_kvshare.methods import get_method, method_names
-from sglang_kvshare.segments.spec import DELTA_ANCHORS, FALLBACKS
+from sglang_kvshare.segments.spec import FALLBACKS
 
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 
@@ -77,13 +77,6 @@ class KVShareArgs:
     )
     rank: int = _flag(32, "rank of the low-rank anchor states (base cache and delta)")
     num_anchors: int = _flag(10, "anchors kept per shared slot (V)")
-    delta_anchors: str = _flag(
-        "prefix",
-        "which anchors estimate a KVCMAS row's delta: 'prefix' (the paper: those covering the "
-        "gated prefix, whose length the second-longest anchor sets) or 'row' (beyond the paper: "
-        "every anchor covering the row, rows up to the longest anchor)",
-        choices=lambda: list(DELTA_ANCHORS),
-    )
     recompute_ratio: float = _flag(
         -1.0,
         "recompute budget (fraction of a shared segment's token-layers, rho = 1 - ratio) of "
@@ -189,7 +182,6 @@ class KVShareArgs:
             ("keep_freed_memory", self.keep_freed_memory in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
-            ("delta_anchors", self.delta_anchors in DELTA_ANCHORS, "'prefix' or 'row'"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),
             ("auto_min_tokens", self.auto_min_tokens >= 1, ">= 1"),
             ("auto", self.auto == "off" or self.lr_cache or not get_method(self.auto).lr_sharing,

@@ -150,7 +150,6 @@ class Corrector(ABC):
         materialize: bool = True,
         tau: Optional[float] = None,
         block_size: Optional[int] = None,
-        delta_anchors: Optional[str] = None,
     ) -> CorrectionResult:
         """Estimate the target agent's cache of segment ``slot``.
 
@@ -163,9 +162,6 @@ class Corrector(ABC):
             (partial fallback, beyond the papers): the result is accepted when any block is, and
             names the rejected rows in ``blocks``; None: one decision for the segment. A method
             without a gate ignores it.
-        delta_anchors: which anchors estimate each row's delta, "prefix" or "row"
-            (``online.AnchorPoolConfig``; None: the configured one); a method without an anchor
-            pool ignores it.
         Does not mutate the inputs; may update usage counters of the method's state.
         """
 

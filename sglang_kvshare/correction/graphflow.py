@@ -45,7 +45,7 @@ class GraphFlowCorrector(Corrector):
 
     def correct(
         self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None,
-        block_size=None, delta_anchors=None,
+        block_size=None,
     ) -> CorrectionResult:
         if reference is None:
             raise ValueError("graphflow needs the context-free reference cache")

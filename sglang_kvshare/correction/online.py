@@ -23,8 +23,6 @@ For a segment of length S on the edge i -> j (KVCMAS sec. 3.3, appendix A.3):
    the source agent's aligned cache (the caller's ``source``; for chained methods the base
    itself). Layers in ``skip_layers`` are copied uncorrected. Every member of A_k of an accepted
    correction counts one use (the eviction frequency).
-   ``delta_anchors`` "row" (beyond the paper): the same gate, but row t mixes every compatible
-   anchor covering t, and rows up to min(S, the longest compatible anchor) are corrected.
 6. ``observe`` after a dense fallback: Delta = target - base (eq. 12) joins the anchor of the
    same base instance if one exists (fan-out), else a new anchor (base + delta) is inserted.
    ``observe`` = ``record(prepare(...))``: ``prepare`` does the factorisation (the expensive,
@@ -50,7 +48,7 @@ from sglang_kvshare.correction.base import (
     check_pair,
 )
 from sglang_kvshare.correction.gate import gate
-from sglang_kvshare.correction.online_math import AnchorPoolMath, Edge, check_delta_anchors
+from sglang_kvshare.correction.online_math import AnchorPoolMath, Edge
 from sglang_kvshare.correction.pool import Anchor, AnchorPool, bytes_per_token, fingerprint
 from sglang_kvshare.lowrank import Factor, factorize
 
@@ -68,7 +66,6 @@ class AnchorPoolConfig:
     written) or "relative" (distances over the smallest one, see ``gate.relative_distances``).
     gate_temperature: T of the gate softmax (eq. 10; None: ``temperature``). compute_dtype: dtype
     of the inputs of the gate's and the correction's products (``lowrank.FactorBatch``).
-    delta_anchors: the anchors of each row's delta (step 5): "prefix" (A_k) or "row".
     """
 
     num_anchors: int = 10
@@ -84,7 +81,6 @@ class AnchorPoolConfig:
     gate_scale: str = "absolute"
     gate_temperature: Optional[float] = None
     compute_dtype: torch.dtype = torch.float32
-    delta_anchors: str = "prefix"
 
 
 @dataclass
@@ -118,7 +114,6 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
         self.config = replace(config or self.default_config, **overrides)
         if self.config.gate_scale not in ("absolute", "relative"):
             raise ValueError(f"gate_scale must be 'absolute' or 'relative', got {self.config.gate_scale!r}")
-        check_delta_anchors(self.config.delta_anchors)
         self._pools: Dict[str, AnchorPool] = {}
         self._counts: Counter = Counter()
 
@@ -190,16 +185,15 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
 
     def correct(
         self, slot, source_agent, target_agent, source, reference=None, materialize: bool = True,
-        tau: Optional[float] = None, block_size: Optional[int] = None, delta_anchors: Optional[str] = None,
+        tau: Optional[float] = None, block_size: Optional[int] = None,
     ) -> CorrectionResult:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        delta_anchors = check_delta_anchors(delta_anchors or self.config.delta_anchors)
         base = self._base(source, reference)
         self._counts["num_correct"] += 1
         tau = self.config.tau if tau is None else tau
         edge = (slot, source_agent, target_agent)
-        result = self._correct(slot, target_agent, base, source, edge, materialize, tau, block_size, delta_anchors)
+        result = self._correct(slot, target_agent, base, source, edge, materialize, tau, block_size)
         self._counts["num_accepted" if result.accepted else f"rejected_{result.reason}"] += 1
         if result.rejected_rows:
             self._counts["num_partial"] += 1
@@ -225,7 +219,7 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
 
     def _correct(
         self, slot: str, target_agent: str, base: SegmentKV, source: SegmentKV, edge: Edge, materialize: bool,
-        tau: float, block_size: Optional[int] = None, delta_anchors: str = "prefix",
+        tau: float, block_size: Optional[int] = None,
     ) -> CorrectionResult:
         members, k, reason = self.members(slot, target_agent, base.seq_len)
         per_token = bytes_per_token(members, target_agent)
@@ -240,13 +234,9 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
                 blocks = self._gate_blocks(dist_v, base.dim, block_size, T, tau, entropy <= tau)
             if entropy > tau and not any(b.accepted for b in blocks):
                 return CorrectionResult.reject("entropy", entropy, len(members), per_token, blocks)
+        delta = self._delta(base, members, target_agent, k, dist_v, edge)
         for a in members:
             a.use_count += 1
-        if delta_anchors == "row" and not self.config.full_coverage:  # every anchor covering a row
-            members = self._pools[slot].compatible(target_agent)
-            k = min(base.seq_len, max(a.seq_len for a in members))
-            _, dist_v = self._value_distances(base, members, k)
-        delta = self._delta(base, members, target_agent, k, dist_v, edge)
         kv = apply_delta(base, source, delta, k) if materialize else None
         reason = "partial" if entropy is not None and entropy > tau else "accepted"  # partial: some blocks
         return CorrectionResult(True, kv, entropy, len(members), k, reason, delta=delta,

@@ -23,14 +23,6 @@ Edge = Tuple[str, str, str]  # (slot, source agent, target agent)
 _LAYERS_PER_BLOCK = 1  # layers batched together (transient memory O(block x N x k x r))
 
 
-def check_delta_anchors(value: str) -> str:
-    """``value`` if it names the anchors of a row's delta ("prefix": A_k, "row": every anchor
-    covering the row), else ValueError."""
-    if value not in ("prefix", "row"):
-        raise ValueError(f"delta_anchors must be 'prefix' or 'row', got {value!r}")
-    return value
-
-
 def _blocks(num_layers: int):
     for lo in range(0, num_layers, _LAYERS_PER_BLOCK):
         yield slice(lo, min(lo + _LAYERS_PER_BLOCK, num_layers))

@@ -8,7 +8,6 @@ SVD and reconstruction run in float32 whatever the storage dtype.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -181,11 +180,7 @@ def native_bfloat16(device: Union[str, torch.device] = "cpu") -> bool:
 
 
 class FactorBatch:
-    """N factors of one shape [n_layers, L_v, D] used together over their first ``num_rows`` rows.
-
-    A member shorter than ``num_rows`` covers only its own rows: its rows past L_v are zero in
-    every product and infinitely far in ``sq_distances``, so a softmax over members gives it no
-    weight there.
+    """N factors of one shape [n_layers, >= num_rows, D] used together.
 
     The low-rank members (from ``truncated_svd``: B with orthonormal rows) are concatenated along
     the rank, A_cat = [A_1 | ... | A_N] ([c, k, N r]) and B_cat = [B_1; ...; B_N] ([c, N r, D]),
@@ -206,12 +201,6 @@ class FactorBatch:
         self.low = [i for i, f in enumerate(self.factors) if isinstance(f, LowRank)]
         self.dense = [i for i, f in enumerate(self.factors) if not isinstance(f, LowRank)]
         self.rank = max((self.factors[i].rank for i in self.low), default=0)
-        self.lengths = [min(f.rows, num_rows) for f in self.factors]
-
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        """x [c, L, *] with L <= num_rows -> [c, num_rows, *], zero rows appended."""
-        short = self.num_rows - x.shape[1]
-        return x if short == 0 else torch.cat([x, x.new_zeros(x.shape[0], short, *x.shape[2:])], 1)
 
     def __len__(self) -> int:
         return len(self.factors)
@@ -222,7 +211,7 @@ class FactorBatch:
         As, Bs = [], []
         for i in self.low:
             f = self.factors[i]
-            a, b = self._pad(f.A[layers, :k]), f.B[layers]
+            a, b = f.A[layers, :k], f.B[layers]
             if f.rank < r:
                 a = torch.cat([a, a.new_zeros(*a.shape[:-1], r - f.rank)], -1)
                 b = torch.cat([b, b.new_zeros(*b.shape[:-2], r - f.rank, b.shape[-1])], -2)
@@ -231,7 +220,7 @@ class FactorBatch:
         return torch.cat(As, -1).to(self.compute_dtype), torch.cat(Bs, -2).to(self.compute_dtype)
 
     def _dense(self, layers: slice) -> torch.Tensor:
-        return torch.stack([self._pad(self.factors[i].Z[layers, : self.num_rows]) for i in self.dense]).float()
+        return torch.stack([self.factors[i].Z[layers, : self.num_rows] for i in self.dense]).float()
 
     def _place(self, low: Optional[torch.Tensor], dense: Optional[torch.Tensor]) -> torch.Tensor:
         """Members back in their order along dim 0 from the two groups."""
@@ -269,11 +258,7 @@ class FactorBatch:
             outside = x.float().square().sum(-1)[..., None] - P.square().sum(-1, dtype=torch.float32)
             low = (outside.clamp_min_(0.0) + inside.square().sum(-1, dtype=torch.float32)).permute(2, 0, 1)
         dense = (x.float()[None] - self._dense(layers)).square().sum(-1) if self.dense else None
-        out = self._place(low, dense)
-        for i, n in enumerate(self.lengths):
-            if n < k:
-                out[i, :, n:] = math.inf
-        return out
+        return self._place(low, dense)
 
     def mix(self, weights: torch.Tensor, layers: slice, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """sum_v weights[v, l, t] * Z_v[l, t] -> [c, k, D] float32 (written into ``out`` when

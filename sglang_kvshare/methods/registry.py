@@ -152,9 +152,8 @@ def method_variant(label: str) -> tuple[str, dict]:
     fallback of a correction method (``+dense``; ``+rows64``: ``fallback: rows``,
     ``fallback_block: 64``; ``+rows``: the server's block size), ``+rho0.5``: the gate's reuse
     target for the request (``target_rho``), ``+copy``: later agents copy shared segments
-    instead of reading them in place (``kv_views: false``), ``+leaf``: every accepted
-    correction a KV leaf, whatever the pool (``leaves: true``), or ``+rowanchors``: each
-    corrected row's delta from every anchor covering it (``delta_anchors: row``). Plain method names map to themselves;
+    instead of reading them in place (``kv_views: false``), or ``+leaf``: every accepted
+    correction a KV leaf, whatever the pool (``leaves: true``). Plain method names map to themselves;
     variants combine (``kvcmas+dense+rho0.5``)."""
     name, *variants = label.split("+")
     get_method(name)
@@ -164,8 +163,6 @@ def method_variant(label: str) -> tuple[str, dict]:
             keys["kv_views"] = False
         elif variant == "leaf":
             keys["leaves"] = True
-        elif variant == "rowanchors":
-            keys["delta_anchors"] = "row"
         elif variant == "dense":
             keys["fallback"] = "dense"
         elif variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
@@ -173,7 +170,7 @@ def method_variant(label: str) -> tuple[str, dict]:
         elif variant.startswith("rho") and _is_number(variant[3:]):
             keys["target_rho"] = float(variant[3:])
         else:
-            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX, copy, leaf or rowanchors)")
+            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX, copy or leaf)")
     return name, keys
 
 

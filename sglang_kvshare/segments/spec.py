@@ -22,7 +22,6 @@ class AnnotationError(ValueError):
 
 
 FALLBACKS = ("dense", "rows")  # what a correction method recomputes when its gate rejects
-DELTA_ANCHORS = ("prefix", "row")  # which anchors estimate a corrected row's delta (correction.online)
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,6 @@ class KVShareAnnotation:
     kv_views: Optional[bool] = None  # False: copy shared segments even where views run (None: the server's)
     # an accepted correction as a KV leaf: True always, False never (None: --kvshare-leaf-policy)
     leaves: Optional[bool] = None
-    delta_anchors: Optional[str] = None  # "prefix" | "row" (None: --kvshare-delta-anchors)
 
 
 def _require_str(obj: Mapping, key: str, where: str) -> str:
@@ -63,7 +61,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
     known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho",
-             "fallback", "fallback_block", "kv_views", "leaves", "delta_anchors"}
+             "fallback", "fallback_block", "kv_views", "leaves"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")
@@ -144,9 +142,6 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     leaves = raw.get("leaves")
     if leaves is not None and not isinstance(leaves, bool):
         raise AnnotationError(f"kvshare.leaves must be true or false, got {leaves!r}")
-    delta_anchors = raw.get("delta_anchors")
-    if delta_anchors is not None and delta_anchors not in DELTA_ANCHORS:
-        raise AnnotationError(f"kvshare.delta_anchors must be one of {list(DELTA_ANCHORS)}, got {delta_anchors!r}")
     return KVShareAnnotation(
         workflow=workflow,
         agent=agent,
@@ -160,7 +155,6 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         fallback_block=block,
         kv_views=kv_views,
         leaves=leaves,
-        delta_anchors=delta_anchors,
     )
 
 
@@ -230,7 +224,6 @@ class WireSpec:
     fallback_block: Optional[int] = None
     kv_views: Optional[bool] = None
     leaves: Optional[bool] = None
-    delta_anchors: Optional[str] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)
     reference_tokens: int = 0
     # ReBaseShared LP: tokens of the earlier turns' adapter-free rebuilds this request waited for

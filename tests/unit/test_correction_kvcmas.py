@@ -207,30 +207,6 @@ def test_variable_lengths_correct_covered_prefix_only():
     assert short.accepted and short.corrected_len == 4 and short.num_anchors == 3
 
 
-def test_row_delta_anchors_correct_every_row_an_anchor_covers():
-    """``delta_anchors="row"``: the gate is the paper's (2 anchors over the prefix of 8 rows),
-    but each row's delta mixes every anchor covering it (rows 0-4: three, 5-7: two, 8-9: one)
-    and rows 8-9, which only the longest anchor covers, are corrected too."""
-    c = create_corrector("kvcmas", delta_anchors="row")
-    src = _kv(12, 0)
-    delta = _kv(12, 1)
-    c.observe("q", "a0", "a1", SegmentKV(src.k[:, :10], src.v[:, :10]),
-              SegmentKV(src.k[:, :10] + delta.k[:, :10], src.v[:, :10] + delta.v[:, :10]))
-    far = _add(SegmentKV(src.k[:, :8], src.v[:, :8]), 50.0)
-    c.observe("q", "a0", "a1", far, _add(far, 1.0))
-    near5 = _add(SegmentKV(src.k[:, :5], src.v[:, :5]), 0.5)  # the nearest anchor of rows 0-4
-    c.observe("q", "a0", "a1", near5, _add(near5, -2.0))
-    r = c.correct("q", "a0", "a1", src)
-    assert r.accepted and r.corrected_len == 10 and r.num_anchors == 3  # the delta's anchors
-    # row t: softmax over the covering anchors of -rms distance (0.5, 0 and 50 away)
-    w_near, w_exact = math.exp(-0.5) / (math.exp(-0.5) + 1.0), 1.0 / (math.exp(-0.5) + 1.0)
-    torch.testing.assert_close(r.kv.k[:, :5], src.k[:, :5] + w_exact * delta.k[:, :5] - 2.0 * w_near, atol=1e-4, rtol=0)
-    torch.testing.assert_close(r.kv.v[:, 5:10], src.v[:, 5:10] + delta.v[:, 5:10], atol=1e-4, rtol=0)
-    assert torch.equal(r.kv.k[:, 10:], src.k[:, 10:])
-    with pytest.raises(ValueError, match="delta_anchors"):
-        create_corrector("kvcmas", delta_anchors="all")
-
-
 # ---- partial fallback: a rejected segment gated again per block of rows ------------------
 def _two_block_pool():
     """Rows 0-3: the first anchor matches the source exactly, the second is a little off (a

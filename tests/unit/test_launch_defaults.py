@@ -114,7 +114,6 @@ def test_fallback_flags():
 @pytest.mark.parametrize("flag,default,other,bad_cli,bad_value,message", [
     ("keep_freed_memory", "on", "off", "yes", "maybe", "'on' or 'off'"),
     ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
-    ("delta_anchors", "prefix", "row", "rows", "all", "'prefix' or 'row'"),
 ])
 def test_choice_flags(flag, default, other, bad_cli, bad_value, message):
     import argparse

@@ -277,7 +277,6 @@ def test_a_method_variant_label_becomes_annotation_keys():
     assert build_payload(role, segs, "wf", "fullshared+copy", 4)["kvshare"]["kv_views"] is False
     assert build_payload(role, segs, "wf", "kvcmas+leaf", 4)["kvshare"]["leaves"] is True
     assert "leaves" not in build_payload(role, segs, "wf", "kvcmas", 4)["kvshare"]
-    assert build_payload(role, segs, "wf", "kvcmas+rowanchors", 4)["kvshare"]["delta_anchors"] == "row"
     both = build_payload(role, segs, "wf", "kvcmas+dense+rho0.5", 4)["kvshare"]
     assert (both["fallback"], both["target_rho"]) == ("dense", 0.5)
     for bad in ("kvcmas+rowsx", "kvcmas+partial", "nosuch+rows", "kvcmas+rho", "kvcmas+rhox", "kvcmas+leaves"):

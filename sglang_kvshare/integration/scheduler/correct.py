@@ -112,8 +112,7 @@ def correct_segment(
         controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
         result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
-                                   materialize=False, tau=tau, block_size=ses.gate_block(st.spec),
-                                   delta_anchors=st.spec.delta_anchors)
+                                   materialize=False, tau=tau, block_size=ses.gate_block(st.spec))
         if result.entropy is not None:
             controller.observe_gate(result.entropy, num_tokens)
         record = {

@@ -84,7 +84,6 @@ class AnnotationMixin:
             fallback_block=ann.fallback_block,
             kv_views=ann.kv_views,
             leaves=ann.leaves,
-            delta_anchors=ann.delta_anchors,
         )
 
     def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:

@@ -95,7 +95,7 @@ class Session:
             if name.startswith("kvcmas"):
                 overrides = {"num_anchors": self.args.num_anchors, "tau": self.args.tau,
                              "factor_dtype": getattr(torch, self.args.anchor_dtype),
-                             "compute_dtype": self.anchor_compute_dtype(), "delta_anchors": self.args.delta_anchors}
+                             "compute_dtype": self.anchor_compute_dtype()}
                 if name != "kvcmas_plus":  # its ranks are energy-chosen under caps of its own
                     overrides.update(rank_base=self.args.rank, rank_delta=self.args.rank)
             elif name == "kvcomm":
