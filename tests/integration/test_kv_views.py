@@ -212,10 +212,20 @@ def small_pool_server(tmp_path_factory, tiny_model):
     yield from _module_server(tmp_path_factory, tiny_model, "tiny-small-pool", "--max-total-tokens", "3000")
 
 
+def _fill_pool_but(server, room: int) -> None:
+    """A plain request that leaves about ``room`` free slots once the tree holds it."""
+    total = requests.get(server.url + "/server_info", timeout=30).json()["max_total_num_tokens"]
+    filler = total - settle(server)["tree_tokens"] - room
+    plain = server.generate({"input_ids": [1000 + i % 5000 for i in range(filler)],
+                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    assert plain.status_code == 200, plain.text
+
+
 def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_kv(small_pool_server):
     """``--kvshare-leaf-policy pressure`` (the default): an accepted correction is a corrected
     copy while the pool has free slots for it; once writing it would evict entries used more
-    recently than sources are reused (the p90 time between a source's uses), it is a leaf."""
+    recently than sources are reused (the p90 time between a source's uses), it is a leaf,
+    unless all it would evict is spent: sources that a later agent superseded."""
     server, pause = small_pool_server, 4.0
     flush_cache(server)
     for seed in (1, 2):  # anchors; every source is read ``pause`` s after its last use
@@ -236,12 +246,7 @@ def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_k
     first = server.generate(payload("policy-pressure", "solver", "kvcmas", segments("solver", {}, question=question,
                                                                                       slot="q-policy"), 8, tau=1.0))
     assert first.status_code == 200, first.text
-    info = requests.get(server.url + "/server_info", timeout=30).json()
-    total = info["max_total_num_tokens"]
-    filler = total - settle(server)["tree_tokens"] - 150
-    plain = server.generate({"input_ids": [1000 + i % 5000 for i in range(filler)],
-                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    assert plain.status_code == 200, plain.text
+    _fill_pool_but(server, 150)
     read = server.generate(payload("policy-pressure", "critic", "kvcmas",
                                    segments("critic", {"solver": first.json()["text"]}, question=question,
                                             slot="q-policy"), 8, tau=1.0))
@@ -257,6 +262,21 @@ def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_k
         q = _segment(r)
         assert q["mode"] == "corrected" and q["kept_as"] == "copy" and "leaf_rank" not in q, q
     assert settle(server)["leaves"] == 0
+
+    # spent: the same pressure, but the least recently used entries are a solver's whose
+    # question and output the critic after it has recorded again; they were read seconds ago
+    flush_cache(server)
+    _kvcmas(server, "policy-spent-old", _facts(21, 24), "q-policy")
+    first = server.generate(payload("policy-spent", "solver", "kvcmas", segments("solver", {}, question=question,
+                                                                                   slot="q-policy"), 8, tau=1.0))
+    assert first.status_code == 200, first.text
+    _fill_pool_but(server, 150)
+    read = server.generate(payload("policy-spent", "critic", "kvcmas",
+                                   segments("critic", {"solver": first.json()["text"]}, question=question,
+                                            slot="q-policy"), 8, tau=1.0))
+    assert read.status_code == 200, read.text
+    q = _segment(read.json())
+    assert q["corrected_rows"] > 150 and q["kept_as"] == "copy", q
 
 
 def test_soak_with_evictions_leaks_no_slot(small_pool_server):
