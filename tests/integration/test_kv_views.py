@@ -212,13 +212,23 @@ def small_pool_server(tmp_path_factory, tiny_model):
     yield from _module_server(tmp_path_factory, tiny_model, "tiny-small-pool", "--max-total-tokens", "3000")
 
 
-def _fill_pool_but(server, room: int) -> None:
-    """A plain request that leaves about ``room`` free slots once the tree holds it."""
+def _read_under_pressure(server, wf: str, question: str) -> dict:
+    """A solver over ``question``, then a plain request that leaves about 150 free slots, then
+    the critic's correction of the question (gate open): the critic's response."""
+    first = server.generate(payload(wf, "solver", "kvcmas", segments("solver", {}, question=question, slot="q-policy"),
+                                    8, tau=1.0))
+    assert first.status_code == 200, first.text
     total = requests.get(server.url + "/server_info", timeout=30).json()["max_total_num_tokens"]
-    filler = total - settle(server)["tree_tokens"] - room
+    filler = total - settle(server)["tree_tokens"] - 150
     plain = server.generate({"input_ids": [1000 + i % 5000 for i in range(filler)],
                              "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     assert plain.status_code == 200, plain.text
+    read = server.generate(payload(wf, "critic", "kvcmas", segments("critic", {"solver": first.json()["text"]},
+                                                                   question=question, slot="q-policy"), 8, tau=1.0))
+    assert read.status_code == 200, read.text
+    q = _segment(read.json())
+    assert q["corrected_rows"] > 150, q
+    return read.json()
 
 
 def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_kv(small_pool_server):
@@ -243,17 +253,10 @@ def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_k
     # than the correction's rows; what eviction would take was used < ``pause`` s ago
     flush_cache(server)
     question = _facts(12, 24)
-    first = server.generate(payload("policy-pressure", "solver", "kvcmas", segments("solver", {}, question=question,
-                                                                                      slot="q-policy"), 8, tau=1.0))
-    assert first.status_code == 200, first.text
-    _fill_pool_but(server, 150)
-    read = server.generate(payload("policy-pressure", "critic", "kvcmas",
-                                   segments("critic", {"solver": first.json()["text"]}, question=question,
-                                            slot="q-policy"), 8, tau=1.0))
-    assert read.status_code == 200, read.text
-    q = _segment(read.json())
-    assert q["corrected_rows"] > 150 and q["kept_as"] == "leaf" and q["leaf_rank"] == 8, q
-    assert read.json()["meta_info"]["kvshare"]["view_tokens"] >= q["tokens"]
+    read = _read_under_pressure(server, "policy-pressure", question)
+    q = _segment(read)
+    assert q["kept_as"] == "leaf" and q["leaf_rank"] == 8, q
+    assert read["meta_info"]["kvshare"]["view_tokens"] >= q["tokens"]
 
     # room: after a flush the same chain writes corrected copies
     flush_cache(server)
@@ -267,16 +270,8 @@ def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_k
     # question and output the critic after it has recorded again; they were read seconds ago
     flush_cache(server)
     _kvcmas(server, "policy-spent-old", _facts(21, 24), "q-policy")
-    first = server.generate(payload("policy-spent", "solver", "kvcmas", segments("solver", {}, question=question,
-                                                                                   slot="q-policy"), 8, tau=1.0))
-    assert first.status_code == 200, first.text
-    _fill_pool_but(server, 150)
-    read = server.generate(payload("policy-spent", "critic", "kvcmas",
-                                   segments("critic", {"solver": first.json()["text"]}, question=question,
-                                            slot="q-policy"), 8, tau=1.0))
-    assert read.status_code == 200, read.text
-    q = _segment(read.json())
-    assert q["corrected_rows"] > 150 and q["kept_as"] == "copy", q
+    q = _segment(_read_under_pressure(server, "policy-spent", question))
+    assert q["kept_as"] == "copy", q
 
 
 def test_soak_with_evictions_leaks_no_slot(small_pool_server):
