@@ -62,7 +62,7 @@ class SourceRegistry:
         self._flows[workflow] = slots
         old = slots.get(slot, [])
         if rec.agent != REFERENCE_AGENT:
-            prev = next((r for r in reversed(old) if r.agent != REFERENCE_AGENT), None)
+            prev = self.lookup(workflow, slot)  # the record ``rec`` supersedes
             if prev is not None:
                 self._latest[prev.namespace] = max(self._latest.get(prev.namespace, 1) - 1, 0)
             self._latest[rec.namespace] = self._latest.get(rec.namespace, 0) + 1
