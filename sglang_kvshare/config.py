@@ -148,13 +148,19 @@ class KVShareArgs:
     auto: str = _flag(
         "off",
         "automatic sharing for requests without a kvshare annotation (unmodified agent apps): in a "
-        "scope (header X-KVShare-Workflow, else the API key), message contents of earlier requests "
-        "and earlier responses are detected and shared with this method; per request the header "
+        "scope (header X-KVShare-Workflow, else the API key), every run of prompt tokens that repeats "
+        "an earlier prompt or output of the scope is shared with this method; per request the header "
         "X-KVShare-Method overrides it ('none' opts out)",
         choices=lambda: ["off", *method_names()],
     )
     auto_min_tokens: int = _flag(
-        64, "automatic sharing: a message content of at least this many tokens becomes a shared slot"
+        64, "automatic sharing: a repeated run of at least this many tokens becomes a shared span"
+    )
+    auto_scope_tokens: int = _flag(
+        1 << 20, "automatic sharing: tokens of prompts and outputs indexed per scope (oldest forgotten first)"
+    )
+    auto_index_tokens: int = _flag(
+        1 << 23, "automatic sharing: tokens indexed in all scopes (~16 bytes each; oldest scope's first)"
     )
     auto_scope: str = _flag(
         "request",
@@ -184,6 +190,8 @@ class KVShareArgs:
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),
             ("auto_min_tokens", self.auto_min_tokens >= 1, ">= 1"),
+            ("auto_scope_tokens", self.auto_scope_tokens >= 1, ">= 1"),
+            ("auto_index_tokens", self.auto_index_tokens >= 1, ">= 1"),
             ("auto", self.auto == "off" or self.lr_cache or not get_method(self.auto).lr_sharing,
              "a method without an LR cache unless --kvshare-lr-cache is set"),
         )

@@ -42,7 +42,9 @@ class SourceRecord:
 
 
 class SourceRegistry:
-    """Per workflow, per slot: the materialised caches, most recent last.
+    """Per workflow, per slot: the materialised caches, most recent last; and per workflow the
+    whole sequences of the requests that automatic detection reads at any offset (the newest
+    ``max_sequences``).
 
     Workflows are forgotten least-recently-used first beyond ``max_workflows``. A chained reader
     starts from the most recent agent's record of a slot, so a record is *superseded* once
@@ -50,8 +52,10 @@ class SourceRegistry:
     :meth:`spent`.
     """
 
-    def __init__(self, max_workflows: int = 4096):
+    def __init__(self, max_workflows: int = 4096, max_sequences: int = 256):
         self.max_workflows = max_workflows
+        self.max_sequences = max_sequences
+        self._sequences: FIFOCache = FIFOCache(max_workflows)  # workflow -> key -> record
         # workflow -> slot -> records; recording into a workflow makes it the most recent
         self._flows: FIFOCache = FIFOCache(max_workflows)
         # namespace -> number of slots whose most recent agent record is in it
@@ -69,6 +73,21 @@ class SourceRegistry:
         recs = [r for r in old if r.agent != rec.agent]
         recs.append(rec)
         slots[slot] = recs
+
+    def record_sequence(self, workflow: str, key: str, rec: SourceRecord) -> None:
+        seqs = self._sequences.get(workflow)
+        if seqs is None:
+            seqs = self._sequences[workflow] = FIFOCache(self.max_sequences)
+        seqs[key] = rec
+
+    def in_sequence(self, workflow: str, key: str, start: int, end: int) -> Optional[SourceRecord]:
+        """Tokens [start, end) of the sequence ``key`` as a record (cut where the sequence ends);
+        None when it was not recorded, or forgotten."""
+        rec = self._sequences.get(workflow, {}).get(key)
+        end = min(end, len(rec.token_ids)) if rec is not None else 0
+        if end <= start:
+            return None
+        return SourceRecord(rec.agent, rec.namespace, rec.token_ids[:end], start, end)
 
     def spent(self, namespace: str) -> bool:
         """Whether every record of ``namespace`` was superseded, so that no chained reader

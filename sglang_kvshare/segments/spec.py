@@ -233,6 +233,11 @@ class WireSpec:
     # ReBaseShared LP: on the adapter-free rebuild, the request id of the adapted turn it rebuilds
     # (whose own LR column the scheduler kept for it)
     rebuild_of: str = ""
+    # automatic detection: the key under which this request's whole sequence (prompt and output)
+    # becomes a source record, and per detected slot the tokens [start, end) of the earlier
+    # sequence it repeats: slot -> (sequence key, start, end)
+    sequence: str = ""
+    ranges: Mapping[str, tuple[str, int, int]] = field(default_factory=dict)
 
     @property
     def namespace(self) -> str:

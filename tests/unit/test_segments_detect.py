@@ -3,27 +3,11 @@
 import pytest
 
 from sglang_kvshare.segments import AnnotationError
-from sglang_kvshare.segments.detect import (
-    Piece,
-    ScopeMemory,
-    agent_of,
-    method_of,
-    scope_of,
-    token_spans,
-)
-from sglang_kvshare.segments.spec import Span
+from sglang_kvshare.segments.detect import agent_of, message_starts, method_of, paragraph_starts, scope_of
 
 
 def hdr(**kw):
     return [(k.replace("_", "-").encode(), v.encode()) for k, v in kw.items()]
-
-
-def words(text):
-    return len(text.split())
-
-
-CONTEXT = " ".join(f"w{i}" for i in range(80))
-ANSWER = "The answer is forty-two, because the context says so plainly."
 
 
 def test_scope_is_the_header_else_the_api_key_else_none():
@@ -61,52 +45,7 @@ def test_agent_identity():
     assert agent_of([{"role": "user", "content": "q"}], None) == ("anonymous", "none")
 
 
-def test_long_contents_become_slots_and_are_found_again_at_another_position():
-    mem = ScopeMemory()
-    first = mem.detect("solver", ["You are the solver.", CONTEXT], words, 64)
-    assert first == [Piece("ctx:solver:1", CONTEXT, 1, "context", None)]
-    later = mem.detect("critic", ["You are a critic with a longer prompt.", "intro", CONTEXT], words, 64)
-    assert later == [Piece("ctx:solver:1", CONTEXT, 2, "context", "solver")]
-    # short contents are never slots
-    assert mem.detect("critic", ["short text"], words, 64) == []
-
-
-def test_earlier_responses_are_found_whole_or_quoted():
-    mem = ScopeMemory()
-    mem.add_response("solver", ANSWER)
-    assert mem.detect("critic", ["sys", ANSWER], words, 64) == [Piece("out:solver", ANSWER, 1, "output", "solver")]
-    quoted = f"Review this answer:\n{ANSWER}\nBe brief."
-    assert mem.detect("critic", ["sys", quoted], words, 64) == [Piece("out:solver", ANSWER, 1, "output", "solver")]
-    # a response too short to search for inside text is found only as a whole message
-    mem.add_response("judge", "OK")
-    assert mem.detect("x", ["sys", "OK fine"], words, 64) == []
-    assert mem.detect("x", ["sys", "OK"], words, 64)[0].slot == "out:judge"
-
-
-def test_a_slot_appears_once_per_prompt():
-    mem = ScopeMemory()
-    mem.detect("solver", [CONTEXT], words, 64)
-    pieces = mem.detect("critic", [CONTEXT, CONTEXT], words, 64)
-    assert [p.slot for p in pieces] == ["ctx:solver:0"]
-
-
-def test_generate_text_paragraphs_and_quoted_responses():
-    mem = ScopeMemory()
-    text = f"Instructions.\n\n{CONTEXT}\n\nQuestion?"
-    assert [p.text for p in mem.detect_text("a", text, words, 64)] == [CONTEXT]
-    mem.add_response("a", ANSWER + "\n\nSecond paragraph of the answer.")
-    later = mem.detect_text("b", f"Other.\n\n{CONTEXT}\n\nAnswer was: {ANSWER}\n\nSecond paragraph of the answer.", words, 64)
-    assert [(p.slot, p.kind) for p in later] == [("ctx:a:1", "context"), ("out:a", "output")]
-
-
-def test_token_spans_are_the_stock_tokens_wholly_inside_each_piece():
-    text = "sys: abc\n\nhello world, bye"
-    # a tokenisation whose third token straddles the first piece's start
-    offsets = [(0, 3), (3, 5), (5, 7), (7, 8), (8, 10), (10, 15), (15, 21), (21, 22), (22, 26)]
-    pieces = [Piece("p1", "bc\n\nhello", 0, "context", None), Piece("p2", ", bye", 0, "output", "a"),
-              Piece("gone", "not in the text", 0, "output", "a"), Piece("tiny", "y", 0, "output", "b")]
-    kept, dropped, spans = token_spans(pieces, text, offsets, shift=1)
-    assert [p.slot for p in kept] == ["p1", "p2"] and [p.slot for p in dropped] == ["gone", "tiny"]
-    assert spans == [Span(0, 1), Span(1, 4), Span(4, 7, "p1"), Span(7, 8), Span(8, 10, "p2")]
-    # spans cover the prompt without gaps
-    assert all(a.end == b.start for a, b in zip(spans, spans[1:])) and spans[-1].end == 1 + len(offsets)
+def test_message_and_paragraph_starts():
+    text = "<s>sys: A<e><s>user: B then A<e>"
+    assert message_starts(text, ["A", "B then A", "missing"]) == [8, 21]
+    assert paragraph_starts("one\ntwo\n\n  three\n\n\nfour") == [0, 11, 21]

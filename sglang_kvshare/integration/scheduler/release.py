@@ -3,7 +3,8 @@
 
 A finished, checkpointed annotated request's method family does its release step (observe dense
 fallbacks, remember what a baseshared agent processed), its cached shared spans and its output
-(``out:<agent>``) become source records of its workflow, and, with ``--kvshare-dump-dir``, their
+(``out:<agent>``) become source records of its workflow (its whole sequence too, for automatic
+detection), and, with ``--kvshare-dump-dir``, their
 K/V are written to disk. ReBaseShared LP keeps the adapted turn's own LR column for its rebuild
 and drops a rebuild's kept column when the rebuild is released.
 """
@@ -36,6 +37,8 @@ def release(ses, tree, req, checkpointed: bool) -> None:
     if ses.args.dump_dir:
         tree.dump(req, st, owned, ses.args.dump_dir)
     tokens = tuple(req.full_untruncated_fill_ids[:owned])
+    if spec.sequence:  # automatic detection reads it at any offset
+        ses.registry.record_sequence(spec.workflow, spec.sequence, SourceRecord(spec.agent, req.extra_key, tokens, 0, owned))
     for slot, start, end in st.cached_slots(owned):
         rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
         ses.registry.record(spec.workflow, slot, rec)

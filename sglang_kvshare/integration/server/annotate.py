@@ -126,11 +126,17 @@ class AnnotationMixin:
 def exact_output_ids(tok, output_ids, text: str) -> Optional[list[int]]:
     """The output tokens that stand for ``text`` when a later prompt quotes it: trailing special
     tokens dropped; None unless they decode to exactly ``text``."""
+    ids = without_trailing_special(tok, output_ids)
+    return ids if ids and tok.decode(ids) == text else None
+
+
+def without_trailing_special(tok, output_ids) -> list[int]:
+    """``output_ids`` without the special tokens (end of turn, EOS) at their end."""
     ids = list(output_ids)
     special = set(getattr(tok, "all_special_ids", []) or [])
     while ids and ids[-1] in special:
         ids.pop()
-    return ids if ids and tok.decode(ids) == text else None
+    return ids
 
 
 def special_prefix(tok) -> list[int]:

@@ -24,6 +24,33 @@ def ok_body_send(send, on_body, on_start=None):
     return wrapped
 
 
+def with_json_added(send, key: str, value):
+    """An ASGI ``send`` that adds ``key: value()`` to a 200 JSON object answer (the start message
+    waits for the body, whose length changes)."""
+    held: dict = {"start": None, "body": b""}
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start" and message["status"] == 200:
+            held["start"] = message
+            return
+        if message["type"] != "http.response.body" or held["start"] is None:
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body", False):
+            return
+        body = held["body"]
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict):
+            body = json.dumps({**answer, key: value()}).encode()
+        await send(dict(held["start"], headers=with_length(held["start"].get("headers", []), len(body))))
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped
+
+
 def split_events(state: dict, message: dict) -> tuple[list[bytes], bool]:
     """The complete server-sent events of a response body ``message`` (non-empty, without their
     blank-line separator), a partial last one kept in ``state["pending"]`` until the next body

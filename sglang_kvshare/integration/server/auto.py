@@ -1,13 +1,13 @@
 """Automatic sharing for requests without an annotation (HTTP process; ``--kvshare-auto METHOD``
 or the ``X-KVShare-Method`` header): the middleware's part.
 
-A chat or ``/generate`` request in a scope (``segments.detect.scope_of``) gets its shared pieces
-detected from what the scope sent and produced before (``segments.detect.ScopeMemory``) and runs
-as an annotated request of workflow = scope, agent = its identity (``segments.detect.agent_of``):
-chat through SGLang's own chat serving (``chat.py``, whose annotation keeps a piece only where the
-segment-wise token ids are SGLang's own), ``/generate`` as ``input_ids``. Its answer is remembered
-as the agent's response in the scope. Requests without a scope, and every request when detection
-is off, pass untouched.
+A chat or ``/generate`` request in a scope (``segments.detect.scope_of``) runs as an annotated
+request of workflow = scope, agent = its identity (``segments.detect.agent_of``): chat through
+SGLang's own chat serving (``chat.py``), ``/generate`` as ``input_ids``. Its shared spans are the
+runs of SGLang's own token ids of its prompt that repeat what the scope sent or produced before
+(``segments.token_index``), each read from the earlier request's cached sequence at that range;
+the prompt, and the output once complete, join the scope's index. Requests without a scope, and
+every request when detection is off, pass untouched.
 
 A request that refers to earlier turns this worker never served (behind a router without the
 routing-key header) is marked ``sources_missing`` in its record and counted; the first such
@@ -16,29 +16,33 @@ request of a workflow is logged, naming the header.
 
 from __future__ import annotations
 
+import bisect
 import logging
-from typing import Optional
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
 
 from cachetools import FIFOCache
 
-from sglang_kvshare.integration.server.annotate import special_prefix
+from sglang_kvshare.integration.server.annotate import special_prefix, without_trailing_special
 from sglang_kvshare.integration.server.chat import ChatShare
 from sglang_kvshare.integration.server.share import RequestShare
 from sglang_kvshare.methods import method_names
-from sglang_kvshare.segments import parse_annotation
-from sglang_kvshare.segments.detect import Piece, ScopeMemory, agent_of, method_of, scope_of, token_spans
+from sglang_kvshare.segments import Span, parse_annotation
+from sglang_kvshare.segments.detect import agent_of, method_of, paragraph_starts, scope_of
+from sglang_kvshare.segments.token_index import Entry, Run, TokenIndex, prompt_labels
 
 logger = logging.getLogger(__name__)
 
-
 class AutoMixin:
-    """Needs ``args``, ``get_tm``, ``check_method``, ``tokenize``, ``hand_on`` and ``outputs``;
-    keeps ``scopes`` and ``seen`` (set up by :meth:`init_auto`)."""
+    """Needs ``args``, ``get_tm``, ``check_method``, ``spec``, ``body_with`` and ``hand_on``;
+    keeps ``index``, ``seen`` and ``missing_logged`` (set up by :meth:`init_auto`)."""
 
     def init_auto(self) -> None:
-        self.scopes: FIFOCache = FIFOCache(self.args.max_workflows)  # workflow -> ScopeMemory
-        self.seen: FIFOCache = FIFOCache(16 * self.args.max_workflows)  # workflows served here
-        self.missing_logged: FIFOCache = FIFOCache(self.args.max_workflows)
+        a = self.args
+        self.index = TokenIndex(a.auto_min_tokens, a.auto_scope_tokens, a.auto_index_tokens, a.max_workflows)
+        self.seen: FIFOCache = FIFOCache(16 * a.max_workflows)  # workflows served here
+        self.missing_logged: FIFOCache = FIFOCache(a.max_workflows)
 
     def note_sources(self, workflow: str, refers_back: bool) -> bool:
         """Whether a request of ``workflow`` that ``refers_back`` to earlier turns finds none of
@@ -69,20 +73,16 @@ class AutoMixin:
         self.check_method(parse_annotation({**raw, "segments": [{"text": "."}]}, method), lora_path)
         return raw, {"scope": scope_from, "agent": agent, "agent_from": agent_from, "method": method}
 
-    def memory(self, workflow: str) -> ScopeMemory:
-        mem = self.scopes.get(workflow)
-        if mem is None:
-            mem = self.scopes[workflow] = ScopeMemory()
-        return mem
-
-    def count_tokens(self, text: str) -> int:
-        return len(self.get_tm().tokenizer.encode(text, add_special_tokens=False))
-
-    def remember_response(self, workflow: str, agent: str, text: str) -> None:
-        self.memory(workflow).add_response(agent, text)
+    def remember_response(self, share: RequestShare, answer: dict) -> None:
+        """Index a finished auto request's output tokens (after its prompt, in its sequence)."""
+        ids = without_trailing_special(self.get_tm().tokenizer, answer.get("output_ids") or ())
+        if ids and share.wire is not None and share.wire.sequence:
+            entry = Entry(share.wire.sequence, share.ann.agent, "output", len(share.input_ids), ids,
+                          [(0, len(ids), f"out:{share.ann.agent}")])
+            self.index.add(share.ann.workflow, entry)
 
     async def auto_chat(self, scope, receive, send, body: dict, method: str) -> bool:
-        """Hand a chat request on with its detected pieces; False: not in a scope (untouched)."""
+        """Hand a chat request on to be detected once rendered; False: not in a scope (untouched)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return False  # SGLang's own validation answers
@@ -91,17 +91,15 @@ class AutoMixin:
             return False
         raw, auto = found
         missing = self.note_sources(raw["workflow"], any(m.get("role") == "assistant" for m in messages))
-        contents = [m.get("content") if isinstance(m.get("content"), str) else None for m in messages]
-        pieces = self.memory(raw["workflow"]).detect(raw["agent"], contents, self.count_tokens,
-                                                     self.args.auto_min_tokens)
-        share = ChatShare(self, raw=raw, pieces=pieces, auto=auto, sources_missing=missing)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str) and m["content"]]
+        share = ChatShare(self, raw=raw, auto=auto, contents=contents, sources_missing=missing)
         await self.hand_on(scope, receive, send, body, share)
         return True
 
     def auto_generate(self, headers, payload: dict, method: str) -> Optional[tuple[RequestShare, dict]]:
-        """A ``/generate`` request with one ``text`` prompt, its detected pieces (earlier
-        responses quoted in it; its blank-line-separated paragraphs as contents) as an annotated
-        request: (its share, the body to forward); None: left untouched."""
+        """A ``/generate`` request with one ``text`` prompt as an annotated request with its
+        detected spans (its blank-line-separated paragraphs as its "messages"): (its share, the
+        body to forward); None: left untouched."""
         text = payload.get("text")
         if not isinstance(text, str) or not text or payload.get("input_ids") is not None:
             return None
@@ -110,32 +108,56 @@ class AutoMixin:
             return None
         raw, auto = found
         self.note_sources(raw["workflow"], False)
-        pieces = self.memory(raw["workflow"]).detect_text(raw["agent"], text, self.count_tokens,
-                                                          self.args.auto_min_tokens)
         stock = self.get_tm().tokenizer.encode(text)
-        found = self.detected(raw, pieces, auto, text, stock)
-        if found is None:
-            return None
-        ann, wire = found
+        ann, wire = self.detected(raw, auto, text, stock, paragraph_starts(text))
         body = {k: v for k, v in payload.items() if k != "text"}
         return RequestShare(self, ann, stock, wire, auto=auto), self.body_with(body, stock, wire)
 
-    def detected(self, raw: dict, pieces: list[Piece], auto: dict, text: str, stock_ids: list[int]):
-        """(annotation, spec) of the detected ``pieces`` in a prompt ``text`` that the server
-        tokenises as ``stock_ids``: each piece is the stock tokens wholly inside it, so the
-        request computes exactly what it would without sharing; None when ``text`` does not
-        re-tokenise to ``stock_ids``. ``auto`` (the record's) lists kept and dropped pieces."""
+    def detected(self, raw: dict, auto: dict, text: str, stock_ids: list[int], starts: Sequence[int]):
+        """(annotation, spec) of a prompt ``text`` that the server tokenises as ``stock_ids``, its
+        messages starting at characters ``starts``: the runs of ``stock_ids`` that repeat the
+        scope's indexed tokens become shared spans, read from their sources' ranges; the prompt
+        joins the index. The token ids stay SGLang's own, so the request computes exactly what
+        it would without sharing. ``auto`` (the record's) lists the runs and the time taken."""
+        began = time.perf_counter()
+        workflow, agent = raw["workflow"], raw["agent"]
+        key = self.index.scope(workflow).next_key()
+        try:
+            runs = self.index.find(workflow, stock_ids)
+            labels = prompt_labels(len(stock_ids), runs, agent, self.message_of(text, stock_ids, starts))
+            self.index.add(workflow, Entry(key, agent, "prompt", 0, stock_ids, labels))
+        except Exception as e:  # the request runs unshared rather than fail
+            logger.exception("kvshare: span detection failed; the request runs unshared")
+            runs, auto["error"] = [], f"{type(e).__name__}: {e}"
+        auto.update(detected=[r.record() for r in runs], detect_ms=round(1000 * (time.perf_counter() - began), 3))
+        ann = parse_annotation({**raw, "segments": [{"text": text}]}, raw["method"])
+        spec = self.spec(ann, len(stock_ids), run_spans(runs, len(stock_ids)))
+        ranges = {r.slot: (r.source, r.src_start, r.src_end) for r in runs}
+        return ann, replace(spec, sequence=key, ranges=ranges)
+
+    def message_of(self, text: str, stock_ids: list[int], starts: Sequence[int]) -> list[int]:
+        """The message (index into ``starts``) of each token of ``stock_ids``, from the character
+        offsets of ``text``'s tokens; all 0 when ``text`` does not re-tokenise to ``stock_ids``."""
         tok = self.get_tm().tokenizer
         prefix = special_prefix(tok)
         shown = tok.decode(prefix)
-        if prefix and text.startswith(shown):
-            text = text[len(shown):]
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        skipped = len(shown) if prefix and text.startswith(shown) else 0
+        enc = tok(text[skipped:], add_special_tokens=False, return_offsets_mapping=True)
         shift = len(stock_ids) - len(enc["input_ids"])
         if shift not in (0, len(prefix)) or list(stock_ids[shift:]) != list(enc["input_ids"]):
-            auto.update(detected=[], dropped=[p.record() for p in pieces])
-            return None
-        kept, dropped, spans = token_spans(pieces, text, enc["offset_mapping"], shift)
-        auto.update(detected=[p.record() for p in kept], dropped=[p.record() for p in dropped])
-        ann = parse_annotation({**raw, "segments": [{"text": text}]}, raw["method"])
-        return ann, self.spec(ann, len(stock_ids), spans)
+            return [0] * len(stock_ids)
+        return [0] * shift + [max(bisect.bisect_right(starts, skipped + a) - 1, 0) for a, _ in enc["offset_mapping"]]
+
+
+def run_spans(runs: Sequence[Run], n: int) -> list[Span]:
+    """PF/PH spans covering ``n`` prompt tokens, one PH span per run."""
+    spans, pos = [], 0
+    for run in runs:
+        if run.start > pos:
+            spans.append(Span(pos, run.start))
+        spans.append(Span(run.start, run.end, run.slot))
+        pos = run.end
+    if pos < n:
+        spans.append(Span(pos, n))
+    return spans
+

@@ -18,11 +18,20 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sglang_kvshare.integration.server.annotate import special_prefix
-from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events, with_length
+from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events, with_json_added, with_length
 from sglang_kvshare.integration.server.share import RequestShare, in_scope
 from sglang_kvshare.segments import AnnotationError, parse_annotation
-from sglang_kvshare.segments.detect import Piece
+from sglang_kvshare.segments.detect import message_starts
 from sglang_kvshare.segments.wire import KEY, output_agent
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A shared message of an annotated chat request: its ``text`` is message ``message``'s."""
+
+    slot: str
+    text: str
+    message: int
 
 
 @dataclass
@@ -31,16 +40,15 @@ class ChatShare(RequestShare):
 
     raw: dict = field(default_factory=dict)  # the ``kvshare`` object without ``shared_messages``
     pieces: list[Piece] = field(default_factory=list)  # shared texts, in prompt order
+    contents: list[str] = field(default_factory=list)  # auto: the messages' text contents
 
     def annotate(self, prompt: str, tok, stock_ids: list[int]) -> list[int]:
         """The segments of SGLang's rendered ``prompt`` (each piece a PH segment), parsed and
         tokenised; returns the token ids. Detected pieces (``auto``) are cut from SGLang's own
         token ids ``stock_ids`` instead (``AutoMixin.detected``)."""
         if self.auto is not None:
-            found = self.owner.detected(self.raw, self.pieces, self.auto, prompt, stock_ids)
-            if found is None:
-                return list(stock_ids)  # ``wire`` stays None: the request runs unshared
-            self.ann, self.wire = found
+            starts = message_starts(prompt, self.contents)
+            self.ann, self.wire = self.owner.detected(self.raw, self.auto, prompt, stock_ids, starts)
             self.input_ids = list(stock_ids)
             return self.input_ids
         self.ann = parse_annotation({**self.raw, "segments": chat_segments(prompt, tok, self.pieces)},
@@ -72,7 +80,10 @@ class ChatMixin:
         gets the request's record."""
         new_body = json.dumps(body).encode()
         scope = in_scope(dict(scope, headers=with_length(scope["headers"], len(new_body))), share)
-        send = _stream_record_send(send, share) if body.get("stream") else _json_record_send(send, share)
+        if body.get("stream"):
+            send = _stream_record_send(send, share)
+        else:
+            send = with_json_added(send, KEY, lambda: share.with_notes(share.record or {}))
         await self.app(scope, replay(new_body, receive), send)
 
 
@@ -95,7 +106,7 @@ def shared_contents(messages: Any, shared: Any) -> list[Piece]:
             raise AnnotationError(f"message {i} must have non-empty string content to be shared")
         if not isinstance(slot, str) or not slot:
             raise AnnotationError(f"kvshare.shared_messages[{i}] must be a slot name")
-        out.append(Piece(slot, content, i, "annotated", None))
+        out.append(Piece(slot, content, i))
     return out
 
 
@@ -117,33 +128,6 @@ def chat_segments(prompt: str, tok, pieces: list[Piece]) -> list[dict]:
     if cursor < len(prompt):
         segments.append({"text": prompt[cursor:], "shared": False})
     return segments
-
-
-def _json_record_send(send, share: ChatShare):
-    """A ``chat.completion`` answer with ``kvshare`` beside ``usage`` (the start message waits
-    for the body, whose length changes)."""
-    held: dict = {"start": None, "body": b""}
-
-    async def wrapped(message):
-        if message["type"] == "http.response.start" and message["status"] == 200:
-            held["start"] = message
-            return
-        if message["type"] != "http.response.body" or held["start"] is None:
-            return await send(message)
-        held["body"] += message.get("body", b"")
-        if message.get("more_body", False):
-            return
-        body = held["body"]
-        try:
-            answer = json.loads(body)
-        except ValueError:
-            answer = None
-        if isinstance(answer, dict):
-            body = json.dumps({**answer, KEY: share.with_notes(share.record or {})}).encode()
-        await send(dict(held["start"], headers=with_length(held["start"].get("headers", []), len(body))))
-        await send({"type": "http.response.body", "body": body})
-
-    return wrapped
 
 
 def _stream_record_send(send, share: ChatShare):

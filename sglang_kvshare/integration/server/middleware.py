@@ -1,6 +1,7 @@
 """The HTTP process's layer: an ASGI middleware on SGLang's own FastAPI app for annotated requests.
 
-For a ``POST /generate`` whose JSON body has a ``kvshare`` object, it validates and tokenises the
+``GET /server_info`` gets the automatic detection's index sizes (``kvshare_auto_index``). For a
+``POST /generate`` whose JSON body has a ``kvshare`` object, it validates and tokenises the
 annotation (``annotate.py``; HTTP 400 naming the defect) and forwards the request to SGLang as
 ``input_ids``, with a ``share.RequestShare`` in its ASGI scope: the ``generate_request`` hook
 (``generate.py``) runs the prefills the method needs (``prefills.py``) and remembers the agent's
@@ -20,7 +21,7 @@ from sglang.srt.entrypoints.http_server import get_global_state
 
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration.server.annotate import AnnotationMixin, OutputTokens
-from sglang_kvshare.integration.server.asgi import read_body, replay, send_json, with_length
+from sglang_kvshare.integration.server.asgi import read_body, replay, send_json, with_json_added, with_length
 from sglang_kvshare.integration.server.auto import AutoMixin
 from sglang_kvshare.integration.server.chat import ChatMixin
 from sglang_kvshare.integration.server.prefills import PrefillMixin
@@ -31,6 +32,7 @@ from sglang_kvshare.segments.wire import KEY, output_agent
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+INFO_PATHS = ("/server_info", "/get_server_info")
 
 
 class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
@@ -45,6 +47,8 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
         self.init_auto()
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope.get("path") in INFO_PATHS:
+            return await self.app(scope, receive, with_json_added(send, "kvshare_auto_index", self.index.info))
         path = scope.get("path") if scope["type"] == "http" and scope["method"] == "POST" else None
         if path not in ("/generate", CHAT_PATH):
             return await self.app(scope, receive, send)

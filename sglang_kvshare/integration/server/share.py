@@ -42,7 +42,7 @@ class RequestShare:
         LP queues the adapter-free rebuild of an adapted turn."""
         self.owner.remember(self.ann, answer)
         if self.auto is not None:
-            self.owner.remember_response(self.ann.workflow, self.ann.agent, answer.get("text", ""))
+            self.owner.remember_response(self, answer)
         if get_method(self.ann.method).lr_sharing == "rebase_lp" and lora_path is not None:
             self.owner.queue_rebuild(self.ann, self.input_ids, answer)
 

@@ -54,10 +54,20 @@ class ReqShareState:
     # tokens of those extends whose KV was reused: corrected rows of a partial fallback's job
     reused_in_extend: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    ranged: dict[str, SourceRecord] = field(default_factory=dict)  # slot -> its sequence range, once found
 
     def source(self, registry: SourceRegistry, slot: str) -> Optional[SourceRecord]:
         """The cache to start from for ``slot``: the named or most recent agent's, or, for
-        methods that correct a context-free reference, the reference when no agent has one."""
+        methods that correct a context-free reference, the reference when no agent has one. A
+        detected slot (``spec.ranges``) is its range of an earlier request's sequence."""
+        where = self.spec.ranges.get(slot)
+        if where is not None:
+            if slot not in self.ranged:
+                rec = registry.in_sequence(self.spec.workflow, *where)
+                if rec is None:
+                    return None
+                self.ranged[slot] = rec
+            return self.ranged[slot]
         rec = registry.lookup(self.spec.workflow, slot, self.spec.sources.get(slot))
         if rec is None and self.method.needs_reference:
             rec = self.reference(registry, slot)
