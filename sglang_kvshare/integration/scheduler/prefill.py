@@ -9,7 +9,8 @@
 - ``PrefillAdder.add_chunked_req``: each later chunk stops at the next segment to inject.
 - ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
   segment starting at its prefix is shared (``sharing.share_pending``: injected, corrected or
-  planned for recomputation, so the adder's memory budget sees those slots); after the batch is
+  planned for recomputation, so the adder's memory budget sees those slots), and the next one if
+  it starts where that one, shared wholly, ended; after the batch is
   formed, every annotated request's computed tokens are counted.
 
 The stock code then treats the injected slots as prefix: it reads ``req_to_token[row,
@@ -97,7 +98,11 @@ def get_new_batch_prefill_raw(ses, original, scheduler, *args, **kwargs):
     req = scheduler.chunked_req
     st = None if req is None else ses.lookup(req)
     if st is not None and isinstance(scheduler.tree_cache, KVShareRadixCache):
-        share_pending(ses, scheduler, req, st, ses.rope_of(scheduler.tp_worker.model_runner))
+        rope = ses.rope_of(scheduler.tp_worker.model_runner)
+        while True:  # segments back to back: each one shared wholly moves the prefix to the next
+            i = share_pending(ses, scheduler, req, st, rope)
+            if i is None or i in st.jobs or req.prefix_len != st.spec.spans[i].end:
+                break
     new_batch, running_batch = original(scheduler, *args, **kwargs)
     if new_batch is not None:
         for req in new_batch.reqs:

@@ -19,7 +19,9 @@ registry as SGLang's own.
 | `kvshare_correction_seconds` | method | histogram of a request's correction time |
 | `kvshare_anchor_bytes` | method | the method's anchor memory (at its last corrected request) |
 | `kvshare_lr_bytes` | | LR-cache memory (at the last LR-cache request) |
-| `kvshare_detected_spans_total` | kind | shared spans found by automatic detection (output, context) |
+| `kvshare_detected_spans_total` | kind | repeated runs found by automatic detection, by their source's kind (prompt, output) |
+| `kvshare_detected_tokens_total` | kind | their tokens (accepted share = injected / detected tokens) |
+| `kvshare_detect_seconds` | | histogram of a request's detection time (HTTP process) |
 | `kvshare_sources_missing_total` | | requests that refer to earlier turns this worker never served |
 | `kvshare_tree_tokens` | SGLang's scheduler labels | KV tokens the radix tree holds (set by the scheduler, `scheduler/requests.py`) |
 | `kvshare_view_tokens` | SGLang's scheduler labels | prompt tokens live requests attend in a source's slots (KV views; same) |
@@ -67,7 +69,11 @@ class Metrics:
                 "sourced": Counter("kvshare_sourced_tokens_total",
                                    "Tokens of shared segments that had a source cache", ["method"]),
                 "detected": Counter("kvshare_detected_spans_total",
-                                    "Shared spans found by automatic detection", ["kind"]),
+                                    "Repeated runs found by automatic detection", ["kind"]),
+                "detected_tokens": Counter("kvshare_detected_tokens_total",
+                                           "Tokens of the repeated runs found by automatic detection", ["kind"]),
+                "detect_seconds": Histogram("kvshare_detect_seconds", "Automatic detection time of a request",
+                                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)),
                 "sources_missing": Counter("kvshare_sources_missing_total",
                                            "Requests referring to earlier turns this worker never served"),
             }
@@ -99,7 +105,11 @@ class Metrics:
             m["anchor_bytes"].labels(method).set(meta["anchor_bytes"])
         if meta.get("lr_bytes") is not None:
             m["lr_bytes"].set(meta["lr_bytes"])
-        for piece in (meta.get("auto") or {}).get("detected") or ():
-            m["detected"].labels(piece["kind"]).inc()
+        auto = meta.get("auto") or {}
+        for run in auto.get("detected") or ():
+            m["detected"].labels(run["source_kind"]).inc()
+            m["detected_tokens"].labels(run["source_kind"]).inc(run["tokens"])
+        if auto.get("detect_ms") is not None:
+            m["detect_seconds"].observe(auto["detect_ms"] / 1000.0)
         if meta.get("sources_missing"):
             m["sources_missing"].inc()
