@@ -141,8 +141,8 @@ class ScopeIndex:
 
     def find(self, ids: Sequence[int], min_tokens: int) -> list[Run]:
         """The runs of ``ids`` (non-overlapping, in order) that repeat indexed tokens, cut at their
-        sources' label changes (parts shorter than k dropped), named by label (``#2``... when a
-        label repeats)."""
+        sources' label changes (a part shorter than k joins its neighbour), named by label
+        (``#2``... when a label repeats)."""
         ids, k, n = array("i", ids), self.k, len(ids)
         found: list[tuple[int, int, Entry, int]] = []  # (start here, length, entry, start there)
         q = covered = 0
@@ -165,15 +165,26 @@ class ScopeIndex:
                 q += 1
         runs, seen = [], {}
         for start, length, entry, there in found:
-            for a, b, label in entry.label_parts(there, there + length):
-                if b - a < k:
-                    continue
+            for a, b, label in merge_short(entry.label_parts(there, there + length), k):
                 seen[label] = seen.get(label, 0) + 1
                 slot = label if seen[label] == 1 else f"{label}#{seen[label]}"
                 here = start + a - there
                 runs.append(Run(here, here + b - a, slot, label, entry.key, entry.agent, entry.kind,
                                 entry.offset + a, entry.offset + b))
         return runs
+
+
+def merge_short(parts: list[tuple[int, int, str]], k: int) -> list[tuple[int, int, str]]:
+    """Contiguous labelled ``parts`` with each one shorter than ``k`` joined to the one before it
+    (the first to the one after it), so a run stays whole without slivers of a few tokens."""
+    out: list[tuple[int, int, str]] = []
+    for a, b, label in parts:
+        if out and (b - a < k or out[-1][1] - out[-1][0] < k):
+            keep = out[-1][2] if out[-1][1] - out[-1][0] >= k or b - a < k else label
+            out[-1] = (out[-1][0], b, keep)
+        else:
+            out.append((a, b, label))
+    return out
 
 
 def prompt_labels(n: int, runs: Sequence[Run], agent: str, message_of: Sequence[int]) -> list[tuple[int, int, str]]:
@@ -230,8 +241,8 @@ class TokenIndex:
 
     def add(self, name: str, entry: Entry) -> bool:
         """Index ``entry`` in scope ``name``, forgetting what the limits need; False (nothing
-        indexed) when it alone exceeds a limit or is shorter than a run."""
-        if len(entry.ids) < self.min_tokens or len(entry.ids) > min(self.scope_tokens, self.total_tokens):
+        indexed) when it alone exceeds a limit or is shorter than a seed."""
+        if len(entry.ids) < self.k or len(entry.ids) > min(self.scope_tokens, self.total_tokens):
             return False
         index = self.scope(name)
         while index.tokens + len(entry.ids) > self.scope_tokens:

@@ -48,4 +48,4 @@ def test_agent_identity():
 def test_message_and_paragraph_starts():
     text = "<s>sys: A<e><s>user: B then A<e>"
     assert message_starts(text, ["A", "B then A", "missing"]) == [8, 21]
-    assert paragraph_starts("one\ntwo\n\n  three\n\n\nfour") == [0, 11, 21]
+    assert paragraph_starts("one\ntwo\n\n  three\n\n\nfour") == [0, 11, 19]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from sglang_kvshare.segments.token_index import Entry, TokenIndex, prompt_labels, seed_len
+from sglang_kvshare.segments.token_index import Entry, TokenIndex, merge_short, prompt_labels, seed_len
 
 rng = random.Random(0)
 
@@ -71,9 +71,10 @@ def test_the_most_recent_longest_source_wins_and_labels_travel_with_the_tokens()
     # source (the chained one), cut where the labels change, named by where the text first appeared
     p3 = toks(20) + REPORT + p2[630:635] + ANSWER + OTHER[:100]
     found = ix.find("wf", p3)
-    # (the 5 template tokens between, labelled ctx:reviewer:1, are shorter than a seed: computed)
+    # (the 5 template tokens between, labelled ctx:reviewer:1, are shorter than a seed: they join
+    # the part before them)
     assert [(r.slot, r.source, r.source_kind, r.start, r.end, r.src_start) for r in found] == [
-        ("ctx:analyst:1", key2, "prompt", 20, 620, 30), ("out:analyst", key2, "prompt", 625, 745, 635),
+        ("ctx:analyst:1", key2, "prompt", 20, 625, 30), ("out:analyst", key2, "prompt", 625, 745, 635),
         ("out:reviewer", key2, "output", 745, 845, 755)]
 
 
@@ -112,6 +113,13 @@ def test_limits_per_scope_and_in_total_hold_oldest_forgotten_first():
     # forgotten entries leave no seeds behind
     live = {n for s in ix.scopes.values() for n in s.entries}
     assert all(n in live for s in ix.scopes.values() for hits in s.seeds.values() for n, _ in hits)
+
+
+def test_short_label_parts_join_a_neighbour():
+    assert merge_short([(0, 3, "a"), (3, 40, "b"), (40, 45, "c"), (45, 90, "d"), (90, 92, "e")], 16) == [
+        (0, 45, "b"), (45, 92, "d")]
+    assert merge_short([(0, 5, "a"), (5, 9, "b")], 16) == [(0, 9, "a")]
+    assert merge_short([(0, 50, "a")], 16) == [(0, 50, "a")]
 
 
 def test_prompt_labels_cover_the_prompt():
