@@ -1,27 +1,29 @@
-"""Unmodified agent apps: later-agent time to first token on plain SGLang, with automatic detection
-(``--kvshare-auto kvcmas``), and with the hand-annotated graph, measured side by side in one run.
+"""Unmodified agent apps: later-agent time to first token on stock SGLang and with automatic
+detection (``--kvshare-auto kvcmas`` and ``fullshared``), measured side by side in one run.
 
-The apps are the real frameworks, run unchanged in their own venv (``scripts/setup.sh``):
+The apps are the real frameworks, run unchanged in their own venv (``scripts/setup.sh``), each
+workflow with its own ~2K-token report (distinct contexts):
 
-- ``examples/langgraph_agents.py``: a LangGraph graph solver -> critic -> final (``ChatOpenAI``,
-  streaming), each workflow with its own report (distinct ~2K-token contexts);
-- ``examples/autogen_team.py``: an AutoGen round-robin team analyst -> reviewer -> editor.
+- ``langgraph`` (``examples/langgraph_agents.py``): a LangGraph graph solver -> critic -> final,
+  the report and the earlier answers as messages of their own;
+- ``autogen`` (``examples/autogen_team.py``): an AutoGen round-robin team;
+- ``crewai`` (``examples/crewai_crew.py``): a CrewAI sequential crew, the report in every task's
+  description and the earlier answers pasted in by ``context=[...]`` (one API key per crew, no
+  header);
+- ``chain`` (``examples/langchain_templates.py --app chain``): a ``ChatPromptTemplate`` chain whose
+  user templates embed the report and the earlier answers;
+- ``rag`` (``--app rag``): two agents that get the report's 8 chunks, the second in another order.
 
 Servers (one at a time, each fresh, the real default model SmolLM2-135M-Instruct on the CPU):
+``plain`` is stock SGLang (``SGLANG_PLUGINS=none``); ``kvcmas`` and ``fullshared`` are
+``python -m sglang_kvshare.launch_server --kvshare-auto METHOD``, default flags otherwise;
+``annotated`` runs the LangGraph graph with the hand-written ``kvshare`` annotation (kvcmas).
 
-- ``plain``: stock SGLang (``SGLANG_PLUGINS=none``), the apps as they are;
-- ``auto``: ``python -m sglang_kvshare.launch_server --kvshare-auto kvcmas``, the apps as they are
-  (only ``base_url`` and the ``X-KVShare-Workflow`` default header, which they always send);
-- ``annotated``: ``python -m sglang_kvshare.launch_server``, the LangGraph graph with each node
-  passing the hand-written ``kvshare`` annotation (method kvcmas).
-
-Every server first runs ``--warmup`` workflows of each app (KVCMAS's anchor pools fill; not
-recorded), then ``--workflows`` measured ones. TTFT is LangChain's callback time from the model
-call to its first streamed token (LangGraph), or AutoGen's event time from the previous agent's
-message to this agent's first streamed chunk. "Later" agents are every agent after the first.
-Reuse is, over the measured workflows, the tokens injected or corrected from a source divided by
-the tokens of shared segments that had a source (``kvshare_injected_tokens_total`` /
-``kvshare_sourced_tokens_total`` on ``/metrics``).
+Every server first runs ``--warmup`` workflows of each app (KVCMAS's anchor pools fill; stock: 2),
+then ``--workflows`` measured ones. TTFT is each app's own measure (LangChain's callbacks, AutoGen's
+events, CrewAI's LLM events) from the model call to its first streamed token. "Later" calls are
+every agent after the first. Over the measured workflows (``/metrics``): reuse = tokens injected
+or corrected from a source / prompt tokens of later calls; accepted = injected / detected tokens.
 
     python -m benchmarks.agent_apps                  # 8 warm-up + 6 measured workflows per app
     python -m benchmarks.agent_apps --quick          # 2 + 2, 400-word reports (plumbing check)
@@ -46,12 +48,20 @@ from tests.integration.server import Server, agents_python, stock_server
 from tests.integration.workflow_helpers import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-APPS = {"langgraph": "langgraph_agents.py", "autogen": "autogen_team.py"}
-# server -> (how it starts, the apps it runs and their extra flags)
+APPS = {
+    "langgraph": ["langgraph_agents.py"],
+    "autogen": ["autogen_team.py"],
+    "crewai": ["crewai_crew.py"],
+    "chain": ["langchain_templates.py", "--app", "chain"],
+    "rag": ["langchain_templates.py", "--app", "rag"],
+}
+# server -> how it starts, the apps it runs (their extra flags); the method its metrics carry
 SETUPS = {
-    "plain": {"apps": {"langgraph": [], "autogen": []}},
-    "auto": {"flags": ["--kvshare-auto", "kvcmas"], "apps": {"langgraph": [], "autogen": []}},
-    "annotated": {"flags": [], "apps": {"langgraph": ["--annotate", "kvcmas"]}},
+    "plain": {"apps": {app: [] for app in APPS}},
+    "kvcmas": {"flags": ["--kvshare-auto", "kvcmas"], "apps": {app: [] for app in APPS}, "method": "kvcmas"},
+    "fullshared": {"flags": ["--kvshare-auto", "fullshared"], "apps": {app: [] for app in APPS},
+                   "method": "fullshared"},
+    "annotated": {"flags": [], "apps": {"langgraph": ["--annotate", "kvcmas"]}, "method": "kvcmas"},
 }
 
 
@@ -67,7 +77,8 @@ def start(name: str, log_dir: Path) -> Server:
 def run_app(python: str, app: str, server: Server, flags: list[str], seeds: range, words: int,
             max_tokens: int, bar) -> list[dict]:
     """Workflows ``seeds`` of ``app``, one after another (one JSON line each)."""
-    cmd = [python, str(ROOT / "examples" / APPS[app]), "--base-url", server.url + "/v1", "--first-seed",
+    script, *app_flags = APPS[app]
+    cmd = [python, str(ROOT / "examples" / script), *app_flags, "--base-url", server.url + "/v1", "--first-seed",
            str(seeds.start), "--workflows", str(len(seeds)), "--words", str(words), "--max-tokens", str(max_tokens),
            *flags]
     out = []
@@ -87,57 +98,71 @@ def summarise(runs: list[dict]) -> dict:
             "later_ttft_p50_s": statistics.median(later), "later_ttft_s": later}
 
 
+def counters(server: Server, method: str) -> dict:
+    """The ``kvshare_*`` counters the summary reads (a snapshot)."""
+    m = scrape_metrics(server)
+    return {"injected": m.get(("kvshare_injected_tokens_total", (("method", method),)), 0.0),
+            "later_prompt": m.get(("kvshare_auto_prompt_tokens_total", (("turn", "later"),)), 0.0),
+            "detected": sum(m.get(("kvshare_detected_tokens_total", (("kind", k),)), 0.0) for k in ("prompt", "output")),
+            "detect_s": m.get(("kvshare_detect_seconds_sum", ()), 0.0),
+            "detect_n": m.get(("kvshare_detect_seconds_count", ()), 0.0)}
+
+
 def measure(args, log_dir: Path, python: str) -> dict:
-    total = sum(len(s["apps"]) for s in SETUPS.values()) * (args.warmup + args.workflows)
+    setups = {n: dict(s, apps={a: f for a, f in s["apps"].items() if a in args.apps}) for n, s in SETUPS.items()}
+    setups = {n: s for n, s in setups.items() if s["apps"]}
+    total = sum(len(s["apps"]) * (warmups(args, n) + args.workflows) for n, s in setups.items())
     results: dict = {}
     with tqdm(total=total, unit="workflow") as bar:
-        for name, setup in SETUPS.items():
+        for name, setup in setups.items():
             bar.set_description(f"{name}: starting server")
             server = start(name, log_dir)
             try:
                 for app, flags in setup["apps"].items():
                     bar.set_description(f"{name} {app} warm-up")
-                    run_app(python, app, server, flags, range(10_000, 10_000 + args.warmup), args.words,
+                    run_app(python, app, server, flags, range(10_000, 10_000 + warmups(args, name)), args.words,
                             args.max_tokens, bar)
-                    before = scrape_metrics(server) if name != "plain" else {}
+                    method = setup.get("method")
+                    before = counters(server, method) if method else {}
                     bar.set_description(f"{name} {app}")
                     runs = run_app(python, app, server, flags, range(args.workflows), args.words, args.max_tokens, bar)
                     res = summarise(runs)
-                    if name != "plain":
-                        after = scrape_metrics(server)
-
-                        def grew(metric):
-                            key = (metric, (("method", "kvcmas"),))
-                            return after.get(key, 0.0) - before.get(key, 0.0)
-
-                        res.update(sourced_tokens=grew("kvshare_sourced_tokens_total"),
-                                   injected_tokens=grew("kvshare_injected_tokens_total"))
-                        res["reuse"] = res["injected_tokens"] / res["sourced_tokens"] if res["sourced_tokens"] else 0.0
+                    if method:
+                        after = counters(server, method)
+                        grew = {k: after[k] - before[k] for k in after}
+                        res["counters"] = grew
+                        if grew["later_prompt"]:
+                            res["reuse"] = grew["injected"] / grew["later_prompt"]
+                            res["accepted"] = grew["injected"] / grew["detected"] if grew["detected"] else 0.0
+                            res["detect_ms_mean"] = 1000 * grew["detect_s"] / grew["detect_n"]
                     res["answers"] = [[a["answer"] for a in r["agents"]] for r in runs[:2]]
                     results.setdefault(app, {})[name] = res
             finally:
                 server.stop()
     for app, by in results.items():
-        base = by["plain"]["later_ttft_p50_s"]
+        base = by["plain"]["later_ttft_p50_s"] if "plain" in by else None
         for name, res in by.items():
-            res["later_ttft_vs_plain"] = res["later_ttft_p50_s"] / base
-        if "annotated" in by:
-            by["auto"]["later_ttft_vs_annotated"] = by["auto"]["later_ttft_p50_s"] / by["annotated"]["later_ttft_p50_s"]
+            if base:
+                res["later_ttft_vs_plain"] = res["later_ttft_p50_s"] / base
     return results
+
+
+def warmups(args, name: str) -> int:
+    return min(args.warmup, 2) if name == "plain" else args.warmup
 
 
 def markdown(results: dict, args) -> str:
     lines = [f"Reports of {args.words} words (~{round(args.words * 1.8, -2):.0f} tokens, SmolLM2 tokenizer), "
-             f"{args.warmup} warm-up + {args.workflows} measured workflows per app and server, "
-             f"max_tokens {args.max_tokens}; {platform.processor() or platform.machine()}, CPU.", "",
-             "| app | server | first-agent TTFT p50 s | later-agent TTFT p50 s | vs plain | vs annotated | reuse |",
-             "|---|---|---|---|---|---|---|"]
+             f"{args.warmup} warm-up (stock: {min(args.warmup, 2)}) + {args.workflows} measured workflows per app "
+             f"and server, max_tokens {args.max_tokens}; {platform.processor() or platform.machine()}, CPU.", "",
+             "| app | server | first-agent TTFT p50 s | later-agent TTFT p50 s | vs plain | reuse | accepted |"
+             " detection ms |", "|---|---|---|---|---|---|---|---|"]
     for app, by in results.items():
         for name, r in by.items():
-            vs_ann = f"{r['later_ttft_vs_annotated']:.2f}x" if "later_ttft_vs_annotated" in r else ""
-            reuse = f"{r['reuse']:.2f}" if "reuse" in r else ""
-            lines.append(f"| {app} | {name} | {r['first_ttft_p50_s']:.2f} | {r['later_ttft_p50_s']:.2f} | "
-                         f"{r['later_ttft_vs_plain']:.2f}x | {vs_ann} | {reuse} |")
+            vs = f"{r['later_ttft_vs_plain']:.2f}x" if "later_ttft_vs_plain" in r else ""
+            extra = [f"{r[k]:.2f}" if k in r else "" for k in ("reuse", "accepted", "detect_ms_mean")]
+            lines.append(f"| {app} | {name} | {r['first_ttft_p50_s']:.2f} | {r['later_ttft_p50_s']:.2f} | {vs} | "
+                         + " | ".join(extra) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +189,7 @@ def main(argv=None) -> None:
     p.add_argument("--workflows", type=int, default=6)
     p.add_argument("--words", type=int, default=1100)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--apps", nargs="+", choices=list(APPS), default=list(APPS))
     p.add_argument("--quick", action="store_true", help="2 + 2 workflows, 400-word reports")
     p.add_argument("--out", default=str(ROOT / "results" / "agent_apps"))
     args = p.parse_args(argv)

@@ -121,9 +121,11 @@ class AutoMixin:
         it would without sharing. ``auto`` (the record's) lists the runs and the time taken."""
         began = time.perf_counter()
         workflow, agent = raw["workflow"], raw["agent"]
-        key = self.index.scope(workflow).next_key()
+        scope = self.index.scope(workflow)
+        auto["earlier_requests"] = scope.requests
+        key = scope.next_key()
         try:
-            runs = self.index.find(workflow, stock_ids)
+            runs = self.index.find(workflow, stock_ids[:-1])  # the last token is computed anyway
             labels = prompt_labels(len(stock_ids), runs, agent, self.message_of(text, stock_ids, starts))
             self.index.add(workflow, Entry(key, agent, "prompt", 0, stock_ids, labels))
         except Exception as e:  # the request runs unshared rather than fail

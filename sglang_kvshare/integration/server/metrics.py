@@ -22,6 +22,7 @@ registry as SGLang's own.
 | `kvshare_detected_spans_total` | kind | repeated runs found by automatic detection, by their source's kind (prompt, output) |
 | `kvshare_detected_tokens_total` | kind | their tokens (accepted share = injected / detected tokens) |
 | `kvshare_detect_seconds` | | histogram of a request's detection time (HTTP process) |
+| `kvshare_auto_prompt_tokens_total` | turn | prompt tokens of detected requests: `first` of their scope, or `later` |
 | `kvshare_sources_missing_total` | | requests that refer to earlier turns this worker never served |
 | `kvshare_tree_tokens` | SGLang's scheduler labels | KV tokens the radix tree holds (set by the scheduler, `scheduler/requests.py`) |
 | `kvshare_view_tokens` | SGLang's scheduler labels | prompt tokens live requests attend in a source's slots (KV views; same) |
@@ -72,6 +73,8 @@ class Metrics:
                                     "Repeated runs found by automatic detection", ["kind"]),
                 "detected_tokens": Counter("kvshare_detected_tokens_total",
                                            "Tokens of the repeated runs found by automatic detection", ["kind"]),
+                "auto_prompt": Counter("kvshare_auto_prompt_tokens_total",
+                                       "Prompt tokens of automatically detected requests", ["turn"]),
                 "detect_seconds": Histogram("kvshare_detect_seconds", "Automatic detection time of a request",
                                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)),
                 "sources_missing": Counter("kvshare_sources_missing_total",
@@ -111,5 +114,7 @@ class Metrics:
             m["detected_tokens"].labels(run["source_kind"]).inc(run["tokens"])
         if auto.get("detect_ms") is not None:
             m["detect_seconds"].observe(auto["detect_ms"] / 1000.0)
+            turn = "later" if auto.get("earlier_requests") else "first"
+            m["auto_prompt"].labels(turn).inc(meta.get("prompt_tokens") or 0)
         if meta.get("sources_missing"):
             m["sources_missing"].inc()
