@@ -7,6 +7,7 @@ evicted the cache since: a record is a hint, the tree lookup is the truth.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,8 +44,8 @@ class SourceRecord:
 
 class SourceRegistry:
     """Per workflow, per slot: the materialised caches, most recent last; and per workflow the
-    whole sequences of the requests that automatic detection reads at any offset (the newest
-    ``max_sequences``).
+    whole sequences of the requests that automatic detection reads at any offset (the newest, up
+    to ``sequence_tokens`` tokens in all).
 
     Workflows are forgotten least-recently-used first beyond ``max_workflows``. A chained reader
     starts from the most recent agent's record of a slot, so a record is *superseded* once
@@ -52,10 +53,11 @@ class SourceRegistry:
     :meth:`spent`.
     """
 
-    def __init__(self, max_workflows: int = 4096, max_sequences: int = 256):
+    def __init__(self, max_workflows: int = 4096, sequence_tokens: int = 1 << 23):
         self.max_workflows = max_workflows
-        self.max_sequences = max_sequences
-        self._sequences: FIFOCache = FIFOCache(max_workflows)  # workflow -> key -> record
+        self.sequence_tokens = sequence_tokens
+        self._sequences: OrderedDict[tuple[str, str], SourceRecord] = OrderedDict()  # oldest first
+        self._sequence_total = 0
         # workflow -> slot -> records; recording into a workflow makes it the most recent
         self._flows: FIFOCache = FIFOCache(max_workflows)
         # namespace -> number of slots whose most recent agent record is in it
@@ -75,15 +77,17 @@ class SourceRegistry:
         slots[slot] = recs
 
     def record_sequence(self, workflow: str, key: str, rec: SourceRecord) -> None:
-        seqs = self._sequences.get(workflow)
-        if seqs is None:
-            seqs = self._sequences[workflow] = FIFOCache(self.max_sequences)
-        seqs[key] = rec
+        """Keep a request's whole sequence; the oldest go beyond ``sequence_tokens`` in all."""
+        old = self._sequences.pop((workflow, key), None)
+        self._sequence_total += len(rec.token_ids) - (len(old.token_ids) if old is not None else 0)
+        self._sequences[(workflow, key)] = rec
+        while self._sequence_total > self.sequence_tokens and len(self._sequences) > 1:
+            self._sequence_total -= len(self._sequences.popitem(last=False)[1].token_ids)
 
     def in_sequence(self, workflow: str, key: str, start: int, end: int) -> Optional[SourceRecord]:
         """Tokens [start, end) of the sequence ``key`` as a record (cut where the sequence ends);
         None when it was not recorded, or forgotten."""
-        rec = self._sequences.get(workflow, {}).get(key)
+        rec = self._sequences.get((workflow, key))
         end = min(end, len(rec.token_ids)) if rec is not None else 0
         if end <= start:
             return None

@@ -107,11 +107,7 @@ class ScopeIndex:
         self.seeds: dict[int, list[tuple[int, int]]] = {}
         self.tokens = 0
         self.count = 0  # entries ever added (numbers are unique)
-        self.requests = 0  # sequence keys handed out
-
-    def next_key(self) -> str:
-        self.requests += 1
-        return f"seq:{self.requests}"
+        self.requests = 0  # requests seen (whose prompt may have been too long to index)
 
     def add(self, entry: Entry) -> None:
         self.count += 1
@@ -223,6 +219,7 @@ class TokenIndex:
         self.scope_tokens, self.total_tokens, self.max_scopes = scope_tokens, total_tokens, max_scopes
         self.scopes: OrderedDict[str, ScopeIndex] = OrderedDict()
         self.tokens = 0
+        self.keys = 0  # sequence keys handed out
         self.forgotten = 0  # entries forgotten to stay within the limits
 
     def scope(self, name: str) -> ScopeIndex:
@@ -234,6 +231,13 @@ class TokenIndex:
             index = self.scopes[name] = ScopeIndex(self.k)
         self.scopes.move_to_end(name)
         return index
+
+    def next_key(self, name: str) -> str:
+        """A new request of scope ``name``: the key of its sequence, unique in this index (a
+        scope forgotten and seen again does not reuse its keys)."""
+        self.scope(name).requests += 1
+        self.keys += 1
+        return f"seq:{self.keys}"
 
     def find(self, name: str, ids: Sequence[int]) -> list[Run]:
         index = self.scopes.get(name)

@@ -73,6 +73,17 @@ def test_source_registry_latest_by_agent_and_lru():
     assert not reg.has("w1", "q") and reg.has("w3", "q")
 
 
+def test_sequences_give_any_range_and_stay_within_their_token_budget():
+    reg = SourceRegistry(sequence_tokens=10)
+    reg.record_sequence("w", "seq:1", SourceRecord("a", "ns-a", (5, 6, 7, 8, 9, 10), 0, 6))
+    rec = reg.in_sequence("w", "seq:1", 2, 5)
+    assert (rec.agent, rec.namespace, rec.token_ids, rec.start, rec.end) == ("a", "ns-a", (5, 6, 7, 8, 9), 2, 5)
+    assert reg.in_sequence("w", "seq:1", 4, 99).end == 6  # cut where the sequence ends
+    assert reg.in_sequence("w", "seq:1", 6, 9) is None and reg.in_sequence("other", "seq:1", 0, 2) is None
+    reg.record_sequence("w", "seq:2", SourceRecord("b", "ns-b", (1, 2, 3, 4, 5), 0, 5))
+    assert reg.in_sequence("w", "seq:1", 0, 2) is None and reg.in_sequence("w", "seq:2", 0, 2) is not None
+
+
 def test_a_namespace_is_spent_once_later_agents_superseded_all_its_records():
     reg = SourceRegistry()
     rec = lambda agent: SourceRecord(agent, "ns-" + agent, (1, 2, 3), 1, 3)  # noqa: E731

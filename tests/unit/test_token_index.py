@@ -22,7 +22,7 @@ def index(min_tokens=32, scope_tokens=1 << 20, total_tokens=1 << 22, max_scopes=
 
 def add_turn(ix, scope, agent, prompt, messages, output=()):
     """Index a request as the server does: its prompt (labelled), then its output."""
-    key = ix.scope(scope).next_key()
+    key = ix.next_key(scope)
     runs = ix.find(scope, prompt)
     ix.add(scope, Entry(key, agent, "prompt", 0, prompt, prompt_labels(len(prompt), runs, agent, messages)))
     if output:

@@ -121,9 +121,8 @@ class AutoMixin:
         it would without sharing. ``auto`` (the record's) lists the runs and the time taken."""
         began = time.perf_counter()
         workflow, agent = raw["workflow"], raw["agent"]
-        scope = self.index.scope(workflow)
-        auto["earlier_requests"] = scope.requests
-        key = scope.next_key()
+        auto["earlier_requests"] = self.index.scope(workflow).requests
+        key = self.index.next_key(workflow)
         try:
             runs = self.index.find(workflow, stock_ids[:-1])  # the last token is computed anyway
             labels = prompt_labels(len(stock_ids), runs, agent, self.message_of(text, stock_ids, starts))

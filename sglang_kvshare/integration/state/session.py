@@ -54,7 +54,7 @@ class Session:
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
         self._own_columns: Optional[FIFOCache] = None
-        self.registry = SourceRegistry(args.max_workflows)
+        self.registry = SourceRegistry(args.max_workflows, args.auto_index_tokens)
         self.reuse = ReuseClock()  # times between a source's uses (``--kvshare-leaf-policy pressure``)
         self.requests: dict[str, ReqShareState] = {}
         self._correctors: dict[str, Any] = {}
