@@ -282,9 +282,9 @@ def plot(results: Dict[str, Any], path: Path) -> None:
     main = results.get("main") or {}
     labels = list(main)
     ax = axes[2]
-    ax.bar(range(len(labels)), [main[l]["kl_mean"] or 0 for l in labels], color="C3", label="first-token KL")
+    ax.bar(range(len(labels)), [main[lab]["kl_mean"] or 0 for lab in labels], color="C3", label="first-token KL")
     ax2 = ax.twinx()
-    ax2.plot(range(len(labels)), [main[l]["exact_match"] or 0 for l in labels], "ko-", label="exact greedy")
+    ax2.plot(range(len(labels)), [main[lab]["exact_match"] or 0 for lab in labels], "ko-", label="exact greedy")
     ax2.set_ylim(0, 1.05)
     ax.set_xticks(range(len(labels)), labels, rotation=35, ha="right", fontsize=8)
     ax.set_title("engine vs nonshared (MMLU workflow)")

@@ -58,8 +58,8 @@ def leaf(Z: torch.Tensor, rank: int) -> torch.Tensor:
 def rotate(k: torch.Tensor, shift, rope) -> torch.Tensor:
     """Keys [layers, L, H*D] turned by RoPE ``shift`` positions further (an int, or [L] per row)."""
     n_layers, L, width = k.shape
-    return torch.stack([shift_keys(k[l].reshape(L, -1, rope.rotary_dim), shift, rope).reshape(L, width)
-                        for l in range(n_layers)])
+    return torch.stack([shift_keys(k[i].reshape(L, -1, rope.rotary_dim), shift, rope).reshape(L, width)
+                        for i in range(n_layers)])
 
 
 def main(argv=None):

@@ -48,13 +48,14 @@ class HFModel:
         """K (re-aligned to position 0) and V of ``seg_ids`` after ``prefix_ids``, [L, n, H*D]."""
         pkv = self.model(torch.tensor([prefix_ids + seg_ids]), use_cache=True).past_key_values
         ks, vs = [], []
-        for l in range(self.cfg.num_hidden_layers):
-            k = pkv.layers[l].keys[0] if hasattr(pkv, "layers") else pkv.key_cache[l][0]
-            v = pkv.layers[l].values[0] if hasattr(pkv, "layers") else pkv.value_cache[l][0]
+        for i in range(self.cfg.num_hidden_layers):
+            k = pkv.layers[i].keys[0] if hasattr(pkv, "layers") else pkv.key_cache[i][0]
+            v = pkv.layers[i].values[0] if hasattr(pkv, "layers") else pkv.value_cache[i][0]
             k = k[:, len(prefix_ids):].transpose(0, 1)  # [T, H, hd]
             v = v[:, len(prefix_ids):].transpose(0, 1)
             k = shift_keys(k, -len(prefix_ids), self.rope)
-            ks.append(k.reshape(k.shape[0], -1)); vs.append(v.reshape(v.shape[0], -1))
+            ks.append(k.reshape(k.shape[0], -1))
+            vs.append(v.reshape(v.shape[0], -1))
         return SegmentKV(torch.stack(ks), torch.stack(vs))
 
 
@@ -85,7 +86,8 @@ def main():
         print(t.id, len(q), flush=True)
     rows = {"fullshared (agent 0's cache)": [], "kvcmas chained": []}
     for n in PREFIXES:
-        rows[f"ref {n}, uncorrected"] = []; rows[f"ref {n}, corrected (nonchained)"] = []
+        rows[f"ref {n}, uncorrected"] = []
+        rows[f"ref {n}, corrected (nonchained)"] = []
     for i, (c0, c1, refs) in enumerate(data):
         others = [d for j, d in enumerate(data) if j != i][:10]
         rows["fullshared (agent 0's cache)"].append(err(c0, c1))

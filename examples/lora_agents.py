@@ -30,7 +30,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import requests
-import sglang as sgl
 
 from examples.prompt_agents import run_workflow, summary
 from sglang_kvshare.frontend import KVShareEndpoint

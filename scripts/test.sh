@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the test suite. Extra arguments go to pytest.
+# Set up (idempotent), lint, and run the test suite. Extra arguments go to pytest.
 # Exit code 5 (no tests collected) is a failure here, never a silent pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
 VENV=${KVSHARE_VENV:-.venv}
+# lint first (settings in pyproject.toml): a failure fails the run
+"$VENV/bin/ruff" check sglang_kvshare benchmarks tests examples scripts || exit 1
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

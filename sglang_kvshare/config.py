@@ -12,6 +12,36 @@ from sglang_kvshare.methods import get_method, method_names
 from sglang_kvshare.segments.spec import FALLBACKS
 
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
+# the --help groups of the flags, in order (every field is in one; a test checks)
+GROUPS = {
+    "sharing": ("method", "recompute_ratio", "droidspeak_profile"),
+    "correction": (
+        "tau",
+        "target_rho",
+        "shadow_fraction",
+        "max_error",
+        "fallback",
+        "fallback_block",
+        "rank",
+        "num_anchors",
+        "anchor_budget_mb",
+        "anchor_mem_fraction",
+        "anchor_dtype",
+        "anchor_compute_dtype",
+        "observe",
+    ),
+    "KV views": ("kv_views", "leaf_rank", "leaf_policy"),
+    "LoRA": ("lr_cache", "lp_stash_columns"),
+    "automatic detection": ("auto", "auto_min_tokens", "auto_scope", "auto_scope_tokens", "auto_index_tokens"),
+    "operations": (
+        "anchor_pool",
+        "anchor_pool_interval",
+        "anchor_pool_seed",
+        "dump_dir",
+        "keep_freed_memory",
+        "max_workflows",
+    ),
+}
 
 
 def _flag(default, help: str, **kw):
@@ -49,8 +79,8 @@ class KVShareArgs:
         choices=lambda: list(FALLBACKS),
     )
     fallback_block: int = _flag(
-        64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, "
-        "docs/results.md)")
+        64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, docs/results.md)"
+    )
     kv_views: str = _flag(
         "on",
         "how a later agent holds a shared segment it reuses unchanged (fullshared): 'on' reads the "
@@ -168,9 +198,7 @@ class KVShareArgs:
         "key; 'server' also puts requests with neither into one server-wide scope",
         choices=lambda: ["request", "server"],
     )
-    max_workflows: int = _flag(
-        4096, "workflows whose source records are remembered (oldest forgotten first)"
-    )
+    max_workflows: int = _flag(4096, "workflows whose source records are remembered (oldest forgotten first)")
 
     def __post_init__(self) -> None:
         checks = (
@@ -192,8 +220,11 @@ class KVShareArgs:
             ("auto_min_tokens", self.auto_min_tokens >= 1, ">= 1"),
             ("auto_scope_tokens", self.auto_scope_tokens >= 1, ">= 1"),
             ("auto_index_tokens", self.auto_index_tokens >= 1, ">= 1"),
-            ("auto", self.auto == "off" or self.lr_cache or not get_method(self.auto).lr_sharing,
-             "a method without an LR cache unless --kvshare-lr-cache is set"),
+            (
+                "auto",
+                self.auto == "off" or self.lr_cache or not get_method(self.auto).lr_sharing,
+                "a method without an LR cache unless --kvshare-lr-cache is set",
+            ),
         )
         for name, ok, what in checks:
             if not ok:
@@ -209,16 +240,46 @@ class KVShareArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("kvshare", "cross-agent KV cache sharing")
-        for f in dataclasses.fields(cls):
-            kw = {"default": f.default, "type": type(f.default), "help": f.metadata["help"]}
-            if isinstance(f.default, bool):
-                kw = {"default": f.default, "action": "store_true", "help": f.metadata["help"]}
-            choices = f.metadata.get("choices")
-            if choices is not None:
-                kw["choices"] = choices()
-            group.add_argument("--kvshare-" + f.name.replace("_", "-"), dest="kvshare_" + f.name, **kw)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for title, names in GROUPS.items():
+            group = parser.add_argument_group(f"kvshare: {title}")
+            for name in names:
+                f = fields[name]
+                kw = {"default": f.default, "help": f"{f.metadata['help']} (default: {_shown(f.default)})"}
+                if isinstance(f.default, bool):
+                    kw["action"] = "store_true"
+                else:
+                    kw["type"] = type(f.default)
+                choices = f.metadata.get("choices")
+                if choices is not None:
+                    kw["choices"] = choices()
+                group.add_argument(cli_name(name), dest="kvshare_" + name, **kw)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "KVShareArgs":
         return cls(**{f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(cls)})
+
+
+def cli_name(name: str) -> str:
+    return "--kvshare-" + name.replace("_", "-")
+
+
+def _shown(default) -> str:
+    return "''" if default == "" else str(default)
+
+
+def flag_table() -> str:
+    """The markdown table of every flag, by group (docs/usage.md holds it; a test compares)."""
+    fields = {f.name: f for f in dataclasses.fields(KVShareArgs)}
+    rows = ["| group | flag | default | meaning |", "|---|---|---|---|"]
+    for title, names in GROUPS.items():
+        for name in names:
+            f = fields[name]
+            choices = f.metadata.get("choices")
+            meaning = f.metadata["help"] + (f" (one of: {', '.join(choices())})" if choices else "")
+            rows.append(f"| {title} | `{cli_name(name)}` | `{_shown(f.default)}` | {meaning.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(flag_table(), end="")

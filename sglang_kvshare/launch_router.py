@@ -188,8 +188,8 @@ class Launcher:
             lines = (Path(self.ns.log_dir) / f"{name}.log").read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        tail = [l for l in lines if l.strip()][-n:]
-        return "".join(f"\n  {l}" for l in tail)
+        tail = [line for line in lines if line.strip()][-n:]
+        return "".join(f"\n  {line}" for line in tail)
 
     def _spawn(self, name: str, argv: List[str]) -> subprocess.Popen:
         out = self._out(name)

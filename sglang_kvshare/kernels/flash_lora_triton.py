@@ -17,7 +17,7 @@ if HAS_TRITON:
 
     @triton.jit
     def flash_lora_attention_kernel(
-        Q, K, V, LR, BV, O,
+        Q, K, V, LR, BV, O,  # noqa: E741 (the kernel's names are the math's)
         KV_IDX, QO_INDPTR, KV_INDPTR, AGENT,
         LRK, BK, COS, SIN, SHIFT, SCOS, SSIN, shift_lo,
         LWHICH, LROW, LTAB, LAK, LAV, LBK, LBV,

@@ -25,7 +25,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 # a k-gram seed's candidates kept per hash (newest); more would only be older copies of a run
 MAX_HITS = 8

@@ -55,4 +55,5 @@ __all__ = [
     "http_sender",
     "run_task",
     "run_workflow",
+    "with_lora_adapters",
 ]

@@ -11,7 +11,7 @@ from sglang_kvshare.correction import SegmentKV, create_corrector, store
 from sglang_kvshare.correction.gate import gate, relative_distances
 from sglang_kvshare.correction.pool import evict_lfu_oldest
 from sglang_kvshare.correction.tuning import TauController
-from sglang_kvshare.lowrank import Dense, FactorBatch, LowRank, truncated_svd
+from sglang_kvshare.lowrank import Dense, FactorBatch, truncated_svd
 
 N_LAYERS, D = 3, 12
 

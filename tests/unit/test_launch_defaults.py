@@ -41,19 +41,22 @@ def test_flag_value():
     assert flag_value(["--xy", "1"], "--x") is None
 
 
-@pytest.mark.parametrize("argv,cuda,named", [
-    (["--lora-backend", "csgmv"], False, "--lora-backend csgmv"),
-    (["--lora-backend=triton"], False, "--lora-backend triton"),
-    (["--lora-backend", "triton_v2"], False, "--lora-backend triton_v2"),
-    (["--lora-backend", "ascend"], False, "--lora-backend ascend"),
-    (["--radix-cache-backend", "lru_tree"], True, "--radix-cache-backend lru_tree"),
-    (["--disable-radix-cache"], False, "--disable-radix-cache"),
-    (["--disable-radix-cache"], True, "--disable-radix-cache"),
-    (["--enable-hierarchical-cache"], True, "--enable-hierarchical-cache"),
-    (["--enable-hicache"], False, "--enable-hicache"),
-    (["--chunked-prefill-size", "-1"], False, "--chunked-prefill-size -1"),
-    (["--chunked-prefill-size=0"], True, "--chunked-prefill-size 0"),
-])
+@pytest.mark.parametrize(
+    "argv,cuda,named",
+    [
+        (["--lora-backend", "csgmv"], False, "--lora-backend csgmv"),
+        (["--lora-backend=triton"], False, "--lora-backend triton"),
+        (["--lora-backend", "triton_v2"], False, "--lora-backend triton_v2"),
+        (["--lora-backend", "ascend"], False, "--lora-backend ascend"),
+        (["--radix-cache-backend", "lru_tree"], True, "--radix-cache-backend lru_tree"),
+        (["--disable-radix-cache"], False, "--disable-radix-cache"),
+        (["--disable-radix-cache"], True, "--disable-radix-cache"),
+        (["--enable-hierarchical-cache"], True, "--enable-hierarchical-cache"),
+        (["--enable-hicache"], False, "--enable-hicache"),
+        (["--chunked-prefill-size", "-1"], False, "--chunked-prefill-size -1"),
+        (["--chunked-prefill-size=0"], True, "--chunked-prefill-size 0"),
+    ],
+)
 def test_refused_flags_exit_with_a_message_naming_the_flag(argv, cuda, named):
     with pytest.raises(SystemExit) as e:
         check_flags(MODEL + argv, cuda)
@@ -61,16 +64,19 @@ def test_refused_flags_exit_with_a_message_naming_the_flag(argv, cuda, named):
     assert e.value.code.startswith(PROG) and named in e.value.code
 
 
-@pytest.mark.parametrize("argv,cuda", [
-    (MODEL, False),
-    (MODEL + LORA, False),
-    (MODEL + LORA + ["--lora-backend", "torch_native"], False),
-    (MODEL + LORA + ["--lora-backend", "csgmv"], True),
-    (MODEL + LORA + ["--enable-lora-overlap-loading", "--max-loaded-loras", "8"], False),
-    (MODEL + ["--radix-cache-backend", "kvshare", "--chunked-prefill-size", "16"], False),
-    (MODEL + ["--chunked-prefill-size", "64", "--enable-mixed-chunk", "--disable-overlap-schedule"], False),
-    (MODEL + ["--chunked-prefill-size"], False),  # no value: SGLang's parser reports it
-])
+@pytest.mark.parametrize(
+    "argv,cuda",
+    [
+        (MODEL, False),
+        (MODEL + LORA, False),
+        (MODEL + LORA + ["--lora-backend", "torch_native"], False),
+        (MODEL + LORA + ["--lora-backend", "csgmv"], True),
+        (MODEL + LORA + ["--enable-lora-overlap-loading", "--max-loaded-loras", "8"], False),
+        (MODEL + ["--radix-cache-backend", "kvshare", "--chunked-prefill-size", "16"], False),
+        (MODEL + ["--chunked-prefill-size", "64", "--enable-mixed-chunk", "--disable-overlap-schedule"], False),
+        (MODEL + ["--chunked-prefill-size"], False),  # no value: SGLang's parser reports it
+    ],
+)
 def test_accepted_flags(argv, cuda):
     check_flags(argv, cuda)
 
@@ -103,7 +109,9 @@ def test_fallback_flags():
     KVShareArgs.add_cli_args(parser)
     default = KVShareArgs.from_cli_args(parser.parse_args([]))
     assert (default.fallback, default.fallback_block) == ("rows", 64)  # chosen by measurement
-    args = KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-fallback", "dense", "--kvshare-fallback-block", "256"]))
+    args = KVShareArgs.from_cli_args(
+        parser.parse_args(["--kvshare-fallback", "dense", "--kvshare-fallback-block", "256"])
+    )
     assert (args.fallback, args.fallback_block) == ("dense", 256)
     with pytest.raises(SystemExit):
         parser.parse_args(["--kvshare-fallback", "partial"])
@@ -111,10 +119,13 @@ def test_fallback_flags():
         KVShareArgs(fallback_block=0)
 
 
-@pytest.mark.parametrize("flag,default,other,bad_cli,bad_value,message", [
-    ("keep_freed_memory", "on", "off", "yes", "maybe", "'on' or 'off'"),
-    ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
-])
+@pytest.mark.parametrize(
+    "flag,default,other,bad_cli,bad_value,message",
+    [
+        ("keep_freed_memory", "on", "off", "yes", "maybe", "'on' or 'off'"),
+        ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
+    ],
+)
 def test_choice_flags(flag, default, other, bad_cli, bad_value, message):
     import argparse
 
@@ -156,3 +167,22 @@ def test_keep_freed_memory_keeps_a_freed_tensor_in_the_process():
         kept[mode] = float(out.stdout.split()[-1])
     assert kept["default"] < 16 and kept["keep"] > 48, kept
 
+
+def test_every_flag_is_in_one_help_group_with_its_default_and_in_the_docs_table():
+    import argparse
+    import dataclasses
+    from pathlib import Path
+
+    from sglang_kvshare.config import GROUPS, KVShareArgs, flag_table
+
+    names = [n for group in GROUPS.values() for n in group]
+    assert sorted(names) == sorted(f.name for f in dataclasses.fields(KVShareArgs)) and len(set(names)) == len(names)
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    groups = {g.title: g for g in parser._action_groups if g.title.startswith("kvshare: ")}
+    assert list(groups) == [f"kvshare: {t}" for t in GROUPS]
+    for action in (a for g in groups.values() for a in g._group_actions):
+        assert "(default: " in action.help, action.option_strings
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    table = docs.split("<!-- flags:begin -->\n")[1].split("<!-- flags:end -->")[0]
+    assert table == flag_table(), "docs/usage.md's flag table is stale: python -m sglang_kvshare.config"

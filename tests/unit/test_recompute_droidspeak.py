@@ -56,10 +56,10 @@ def test_best_layer_groups_is_optimal_brute_force():
             assert sum(e - s for s, e in got) == budget and len(got) <= max_groups
             best = -1.0
             for combo in itertools.combinations(range(8), budget):
-                runs = sum(1 for i, l in enumerate(combo) if i == 0 or combo[i - 1] != l - 1)
+                runs = sum(1 for i, layer in enumerate(combo) if i == 0 or combo[i - 1] != layer - 1)
                 if runs <= max_groups:
-                    best = max(best, sum(scores[l] for l in combo))
-            assert sum(scores[l] for s, e in got for l in range(s, e)) == pytest.approx(best)
+                    best = max(best, sum(scores[layer] for layer in combo))
+            assert sum(scores[layer] for s, e in got for layer in range(s, e)) == pytest.approx(best)
 
 
 def test_plan_recomputes_whole_segment_in_groups():

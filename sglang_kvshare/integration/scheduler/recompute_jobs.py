@@ -39,7 +39,7 @@ def unsupported(ses, scheduler) -> Optional[str]:
     if ses.runner is not runner:
         return "attention_backend"  # row subsets are attended by kvshare_torch only
     layers = getattr(getattr(runner.model, "model", None), "layers", None)
-    if layers is None or not all(type(l).forward is LlamaDecoderLayer.forward for l in layers):
+    if layers is None or not all(type(layer).forward is LlamaDecoderLayer.forward for layer in layers):
         return "model_not_supported"  # the hook runs the Llama family's decoder layer
     return None
 
