@@ -1,20 +1,17 @@
 """Repeated token spans within a scope (``--kvshare-auto``): plain bookkeeping over token ids.
 
-A :class:`ScopeIndex` holds the token ids a scope sent (prompts) and produced (outputs), each an
-:class:`Entry` of one request's *sequence* (prompt then output, as the scheduler caches it under
-the request's key ``seq:<n>``). :meth:`ScopeIndex.find` returns every maximal run of at least
-``min_tokens`` tokens of a new prompt that equals a run of an entry, at any position on either
-side: seeds are ``k``-grams the index samples every ``k`` tokens of an entry (so any common run of
-``2k - 1`` tokens or more holds one), each seed hit is extended both ways, the longest run at the
-leftmost uncovered position wins (ties: the most recent entry, the chained source), and the scan
-goes on after it.
+A :class:`ScopeIndex` holds the token ids a scope sent and produced: an :class:`Entry` per request
+*sequence* (prompt, then output; the scheduler caches it under the key ``seq:<n>``).
+:meth:`ScopeIndex.find` returns every maximal run of >= ``min_tokens`` tokens of a new prompt that
+equals a run of an entry, at any position on either side: ``k``-gram seeds sampled every ``k``
+tokens of an entry (any common run of ``2k - 1`` tokens holds one) are extended both ways; the
+longest run at the leftmost uncovered position wins (ties: the most recent, the chained source).
 
 Slot names (stable across the workflows of one app, so KVCMAS's per-slot anchor pools warm up):
-every indexed token carries the *label* of where its text first appeared in the scope: an output
-of agent ``A`` is ``out:A``; a prompt token not reused from anywhere is ``ctx:A:<i>`` (``A`` the
-agent that sent it, ``i`` its message index, or its paragraph for ``/generate``); a reused token
-keeps the label of its source. A run is cut where its source's labels change, each part is named
-by its label, and a label met again in one prompt gets ``#2``, ``#3``... in prompt order.
+every indexed token carries the *label* of where its text first appeared in the scope: ``out:A``
+(agent ``A``'s output), ``ctx:A:<i>`` (a new prompt token of agent ``A`` in its message, or
+``/generate`` paragraph, ``i``), or its source's label when reused. A run is cut where its source's
+labels change, each part named by its label (``#2``, ``#3``... for a label met again in a prompt).
 
 :class:`TokenIndex` keeps the scopes within a token budget per scope and in total (each token
 costs ~``BYTES_PER_TOKEN``), forgetting the oldest entries first, least recently used scope first.
@@ -25,7 +22,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 # a k-gram seed's candidates kept per hash (newest); more would only be older copies of a run
 MAX_HITS = 8
@@ -40,22 +37,17 @@ def seed_len(min_tokens: int) -> int:
 
 def common_run(a: Sequence[int], i: int, b: Sequence[int], j: int) -> int:
     """Length of the common run of ``a[i:]`` and ``b[j:]`` (compared 64 at a time)."""
-    n, step = 0, 64
-    while True:
-        m = min(step, len(a) - i - n, len(b) - j - n)
-        if m <= 0:
-            return n
-        if a[i + n:i + n + m] == b[j + n:j + n + m]:
-            n += m
-            continue
-        for t in range(m):
-            if a[i + n + t] != b[j + n + t]:
-                return n + t
+    n, m = 0, min(64, len(a) - i, len(b) - j)
+    while m > 0 and a[i + n:i + n + m] == b[j + n:j + n + m]:
+        n, m = n + m, min(64, len(a) - i - n - m, len(b) - j - n - m)
+    return n + next((t for t in range(max(m, 0)) if a[i + n + t] != b[j + n + t]), max(m, 0))
 
 
 @dataclass
 class Entry:
-    """One request's prompt or output: ``ids`` at positions ``offset:`` of sequence ``key``."""
+    """One request's prompt or output: ``ids`` at positions ``offset:`` of sequence ``key``. An
+    output indexed after its prompt extends the prompt's entry (``output_start``), so that a run
+    goes on from a prompt into the answer that followed it."""
 
     key: str
     agent: str
@@ -65,6 +57,10 @@ class Entry:
     labels: list[tuple[int, int, str]]  # (start, end, label) over ``ids``, in order, covering them
     number: int = 0  # order of indexing in its scope
     seeds: list[int] = field(default_factory=list)
+    output_start: Optional[int] = None  # where in ``ids`` an output appended to a prompt starts
+
+    def kind_at(self, position: int) -> str:
+        return "output" if self.output_start is not None and position >= self.output_start else self.kind
 
     def __post_init__(self) -> None:
         if not isinstance(self.ids, array):
@@ -104,18 +100,34 @@ class ScopeIndex:
     def __init__(self, k: int):
         self.k = k
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # number -> entry, oldest first
+        self.keys: dict[str, int] = {}  # sequence key -> its entry's number
         self.seeds: dict[int, list[tuple[int, int]]] = {}
         self.tokens = 0
         self.count = 0  # entries ever added (numbers are unique)
         self.requests = 0  # requests seen (whose prompt may have been too long to index)
 
     def add(self, entry: Entry) -> None:
+        """Index ``entry``; an output right after its sequence's indexed prompt extends that."""
+        before = self.entries.get(self.keys.get(entry.key, 0))
+        if before is not None and entry.kind == "output" and before.offset + len(before.ids) == entry.offset:
+            n = len(before.ids)
+            before.output_start = n
+            before.ids.extend(entry.ids)
+            before.labels += [(a + n, b + n, label) for a, b, label in entry.labels]
+            self.tokens += len(entry.ids)
+            self._seed(before, (max(n - self.k, -1) // self.k + 1) * self.k)
+            return
         self.count += 1
         entry.number = self.count
         self.entries[entry.number] = entry
+        self.keys[entry.key] = entry.number
         self.tokens += len(entry.ids)
+        self._seed(entry, 0)
+
+    def _seed(self, entry: Entry, first: int) -> None:
+        """Sample the seeds of ``entry`` from position ``first`` (on the grid of k) on."""
         k, ids = self.k, entry.ids
-        for p in range(0, len(ids) - k + 1, k):
+        for p in range(first, len(ids) - k + 1, k):
             h = hash(tuple(ids[p:p + k]))
             hits = self.seeds.setdefault(h, [])
             hits.append((entry.number, p))
@@ -126,6 +138,8 @@ class ScopeIndex:
     def pop_oldest(self) -> int:
         """Forget the oldest entry; returns its token count."""
         number, entry = self.entries.popitem(last=False)
+        if self.keys.get(entry.key) == number:
+            del self.keys[entry.key]
         for h in set(entry.seeds):
             hits = [x for x in self.seeds.get(h, ()) if x[0] != number]
             if hits:
@@ -165,7 +179,7 @@ class ScopeIndex:
                 seen[label] = seen.get(label, 0) + 1
                 slot = label if seen[label] == 1 else f"{label}#{seen[label]}"
                 here = start + a - there
-                runs.append(Run(here, here + b - a, slot, label, entry.key, entry.agent, entry.kind,
+                runs.append(Run(here, here + b - a, slot, label, entry.key, entry.agent, entry.kind_at(a),
                                 entry.offset + a, entry.offset + b))
         return runs
 

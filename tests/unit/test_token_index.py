@@ -53,6 +53,19 @@ def test_a_span_inside_a_templated_message_is_found_at_another_offset():
                                  "here": [670, 790], "there": [665, 785], "tokens": 120}
 
 
+def test_a_short_answer_is_found_where_it_follows_its_prompt():
+    """An output extends its prompt's entry: a later prompt that repeats the prompt's end and the
+    answer after it (a message history) gets one run through both, cut at the label change."""
+    ix = index(min_tokens=64)
+    prompt, answer = toks(20) + REPORT[:200], toks(24)
+    key, _ = add_turn(ix, "wf", "solver", prompt, [0] * 20 + [1] * 200, answer)
+    later = toks(30) + REPORT[:200] + answer + toks(10)
+    found = ix.find("wf", later)
+    assert [(r.slot, r.source_kind, r.start, r.end, r.src_start, r.src_end) for r in found] == [
+        ("ctx:solver:1", "prompt", 30, 230, 20, 220), ("out:solver", "output", 230, 254, 220, 244)]
+    assert len(ix.scopes["wf"].entries) == 1 and ix.scopes["wf"].tokens == 244
+
+
 def test_a_partial_quote_of_an_earlier_answer_is_found_and_short_runs_are_not():
     ix = index(min_tokens=32)
     key, _ = add_turn(ix, "wf", "solver", toks(80), [0] * 80, ANSWER)
@@ -136,3 +149,21 @@ def test_prompts_shorter_than_a_seed_find_nothing(n):
     ix = index()
     add_turn(ix, "wf", "a", REPORT, [0] * 600)
     assert ix.find("wf", REPORT[:n]) == []
+
+
+def test_common_run_equals_a_token_by_token_count():
+    from array import array
+
+    from sglang_kvshare.segments.token_index import common_run
+
+    r = random.Random(1)
+    for _ in range(500):
+        a = [r.randrange(3) for _ in range(r.randrange(0, 300))]
+        b = list(a) if r.random() < 0.5 else [r.randrange(3) for _ in range(r.randrange(0, 300))]
+        if b and r.random() < 0.5:
+            b[r.randrange(len(b))] = 9
+        i, j = r.randrange(0, len(a) + 1), r.randrange(0, len(b) + 1)
+        n = 0
+        while i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
+            n += 1
+        assert common_run(array("i", a), i, array("i", b), j) == n

@@ -34,6 +34,7 @@ from sglang_kvshare.segments.token_index import Entry, Run, TokenIndex, prompt_l
 
 logger = logging.getLogger(__name__)
 
+
 class AutoMixin:
     """Needs ``args``, ``get_tm``, ``check_method``, ``spec``, ``body_with`` and ``hand_on``;
     keeps ``index``, ``seen`` and ``missing_logged`` (set up by :meth:`init_auto`)."""
