@@ -109,7 +109,8 @@ def counters(server: Server, method: str) -> dict:
 
 
 def measure(args, log_dir: Path, python: str) -> dict:
-    setups = {n: dict(s, apps={a: f for a, f in s["apps"].items() if a in args.apps}) for n, s in SETUPS.items()}
+    setups = {n: dict(s, apps={a: f for a, f in s["apps"].items() if a in args.apps})
+              for n, s in SETUPS.items() if n in args.servers}
     setups = {n: s for n, s in setups.items() if s["apps"]}
     total = sum(len(s["apps"]) * (warmups(args, n) + args.workflows) for n, s in setups.items())
     results: dict = {}
@@ -190,6 +191,7 @@ def main(argv=None) -> None:
     p.add_argument("--words", type=int, default=1100)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--apps", nargs="+", choices=list(APPS), default=list(APPS))
+    p.add_argument("--servers", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     p.add_argument("--quick", action="store_true", help="2 + 2 workflows, 400-word reports")
     p.add_argument("--out", default=str(ROOT / "results" / "agent_apps"))
     args = p.parse_args(argv)
