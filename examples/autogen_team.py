@@ -18,9 +18,7 @@ the previous agent's last message to this agent's first chunk) and answer.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
 import uuid
 from typing import Optional
@@ -31,7 +29,7 @@ from autogen_agentchat.messages import ModelClientStreamingChunkEvent, TextMessa
 from autogen_agentchat.teams import RoundRobinGroupChat
 from autogen_ext.models.openai import OpenAIChatCompletionClient
 
-from agent_contexts import report
+from agent_contexts import app_parser, print_workflows, report
 
 ROLES = {
     "analyst": "You are the analyst. Answer the question from the report, citing the depots you used.",
@@ -67,18 +65,9 @@ async def run_team(base_url: str, seed: int, words: int, max_tokens: int, header
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    p.add_argument("--workflows", type=int, default=1)
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1100, help="length of each team's report in words (1100: about 2K tokens)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
-    args = p.parse_args()
-    headers = dict(h.split(":", 1) for h in args.header)
-    for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(asyncio.run(run_team(args.base_url, seed, args.words, args.max_tokens, headers))), flush=True)
+    args = app_parser(__doc__).parse_args()
+    print_workflows(args, lambda seed, headers: asyncio.run(run_team(args.base_url, seed, args.words,
+                                                                     args.max_tokens, headers)))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ call's start to its first streamed chunk), prompt tokens (the response's usage) 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import uuid
 from typing import Optional
@@ -36,7 +34,7 @@ from crewai.events.types.llm_events import (  # noqa: E402
     LLMStreamChunkEvent,
 )
 
-from agent_contexts import report  # noqa: E402
+from agent_contexts import app_parser, print_workflows, report  # noqa: E402
 
 ROLES = {
     "analyst": ("Warehouse analyst", "Answer questions about warehouse reports with the numbers that support them.",
@@ -104,19 +102,10 @@ def run_crew(base_url: str, seed: int, words: int, max_tokens: int, calls: Calls
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    p.add_argument("--workflows", type=int, default=1)
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1100, help="length of each crew's report in words (1100: about 2K tokens)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="a default header (e.g. X-KVShare-Method:none to opt out)")
-    args = p.parse_args()
-    headers = dict(h.split(":", 1) for h in args.header)
+    args = app_parser(__doc__).parse_args()
     calls = Calls()
-    for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(run_crew(args.base_url, seed, args.words, args.max_tokens, calls, headers)), flush=True)
+    print_workflows(args, lambda seed, headers: run_crew(args.base_url, seed, args.words, args.max_tokens, calls,
+                                                         headers))
 
 
 if __name__ == "__main__":

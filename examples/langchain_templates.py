@@ -21,8 +21,6 @@ callbacks: the model call's start to its first streamed token; the response's us
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import time
 import uuid
@@ -33,7 +31,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_openai import ChatOpenAI
 
-from agent_contexts import report
+from agent_contexts import app_parser, print_workflows, report
 
 CHAIN = {
     "drafter": ("You draft answers from documents.",
@@ -110,19 +108,11 @@ def run_workflow(app: str, base_url: str, seed: int, words: int, max_tokens: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = app_parser(__doc__)
     p.add_argument("--app", choices=["chain", "rag"], default="chain")
-    p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    p.add_argument("--workflows", type=int, default=1)
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1100, help="length of each workflow's document in words (1100: about 2K tokens)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
     args = p.parse_args()
-    headers = dict(h.split(":", 1) for h in args.header)
-    for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(run_workflow(args.app, args.base_url, seed, args.words, args.max_tokens, headers)), flush=True)
+    print_workflows(args, lambda seed, headers: run_workflow(args.app, args.base_url, seed, args.words,
+                                                             args.max_tokens, headers))
 
 
 if __name__ == "__main__":

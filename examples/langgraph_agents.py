@@ -20,8 +20,6 @@ and answer.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 import uuid
 from typing import Optional
@@ -31,7 +29,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, MessagesState, StateGraph
 
-from agent_contexts import report
+from agent_contexts import app_parser, print_workflows, report
 
 ROLES = {
     "solver": "You are the solver. Read the report and answer the question with the numbers that support it.",
@@ -98,19 +96,11 @@ def run_workflow(base_url: str, seed: int, words: int, max_tokens: int, annotate
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
-    p.add_argument("--workflows", type=int, default=1)
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1100, help="length of each workflow's report in words (1100: about 2K tokens)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
+    p = app_parser(__doc__)
     p.add_argument("--annotate", metavar="METHOD", help="pass the hand-written kvshare annotation with this method")
     args = p.parse_args()
-    headers = dict(h.split(":", 1) for h in args.header)
-    for seed in range(args.first_seed, args.first_seed + args.workflows):
-        print(json.dumps(run_workflow(args.base_url, seed, args.words, args.max_tokens, args.annotate, headers)), flush=True)
+    print_workflows(args, lambda seed, headers: run_workflow(args.base_url, seed, args.words, args.max_tokens,
+                                                             args.annotate, headers))
 
 
 if __name__ == "__main__":
