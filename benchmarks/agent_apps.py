@@ -44,8 +44,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tests.integration.server import Server, agents_python, stock_server
-from tests.integration.workflow_helpers import scrape_metrics
+from sglang_kvshare.testing.server import Server, agents_python, stock_server
+from sglang_kvshare.testing.workflows import scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 APPS = {

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from sglang_kvshare.assets import ensure_default_model
 from sglang_kvshare.segments.token_index import Entry, TokenIndex, prompt_labels
-from tests.integration.server import stock_server
+from sglang_kvshare.testing.server import stock_server
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

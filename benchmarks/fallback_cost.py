@@ -34,10 +34,10 @@ from tqdm import tqdm
 
 from benchmarks.kv_views import save
 from benchmarks.serving import make_context, stream_generate
-from tests.integration.server import Server
-from tests.integration.workflow_helpers import payload, segments, settle
+from sglang_kvshare.testing.server import Server
+from sglang_kvshare.testing.workflows import payload, segments, settle
 
-AGENTS = ("solver", "critic")  # their system prompts: ``workflow_helpers.SYSTEM``
+AGENTS = ("solver", "critic")  # their system prompts: ``sglang_kvshare.testing.workflows.SYSTEM``
 ARMS = {  # arm -> (method, annotation keys of the later agent)
     "nonshared": ("nonshared", {}),
     "kvcmas+dense, tau 0": ("kvcmas", {"tau": 0.0, "fallback": "dense"}),

@@ -538,7 +538,7 @@ class Backend:
             self.dump_root = Path(args.dump_dir) if args.dump_dir else None
             return
         from sglang_kvshare.assets import ensure_default_model
-        from tests.integration.server import kvshare_server
+        from sglang_kvshare.testing.server import kvshare_server
 
         self.dump_root = workdir / f"dumps-{name}"
         self.log_path = workdir / f"server-{name}.log"

@@ -42,8 +42,8 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.serving import make_context, stream_generate
-from tests.integration.server import Server
-from tests.integration.workflow_helpers import flush_cache, payload, segments, settle
+from sglang_kvshare.testing.server import Server
+from sglang_kvshare.testing.workflows import flush_cache, payload, segments, settle
 
 AGENTS = {
     "planner": "You are the planner. Split the task into steps.",

@@ -31,7 +31,7 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.serving import find_server_pid, tree_rss_mb
-from tests.integration.workflow_helpers import QUESTION, flush_cache, payload, segments, settle
+from sglang_kvshare.testing.workflows import QUESTION, flush_cache, payload, segments, settle
 
 METHODS = ("fullshared", "fullshared", "nonshared", "kvcmas", "cacheblend")
 AGENTS = ("solver", "critic", "final")
@@ -68,7 +68,7 @@ def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
 
 def soak(server, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0,
          pid: Optional[int] = None, bar=None) -> dict:
-    """Run about ``n_requests`` requests against ``server`` (a ``tests.integration.server.Server``);
+    """Run about ``n_requests`` requests against ``server`` (a ``sglang_kvshare.testing.server.Server``);
     returns outcomes, RSS samples and the final ``kvshare`` state (after a flush)."""
     url = server.url
     counter = itertools.count()
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--every", type=int, default=100, help="RSS sample interval, requests")
     ap.add_argument("--out", type=Path, default=Path("results/kv_views_soak.json"))
     args = ap.parse_args(argv)
-    from tests.integration.server import kvshare_server
+    from sglang_kvshare.testing.server import kvshare_server
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as logs:

@@ -92,7 +92,7 @@ def workflows(url: str, tok, n: int, context: int, tag: str, pause: float) -> Li
 
 
 def one_mode(mode: str, args, tok) -> Dict[str, Any]:
-    from tests.integration.server import Server
+    from sglang_kvshare.testing.server import Server
 
     log = Path(tempfile.mkdtemp(prefix=f"stall-{mode}-")) / "server.log"
     server = Server(["-m", "sglang_kvshare.launch_server", "--kvshare-observe", mode], log, timeout=900)

@@ -106,7 +106,7 @@ def random_adapters(model_path: str, n: int, rank: int, out_dir: Path, seed: int
     """``n`` PEFT LoRA adapters ``a0..`` (q_proj, v_proj, rank ``rank``, alpha 2 x rank) with random
     weights for the model: for timing any number of agents and ranks (their outputs mean
     nothing). Returns name -> directory."""
-    from tests.tiny_model import build_tiny_adapter
+    from sglang_kvshare.testing.tiny_model import build_tiny_adapter
 
     # B small enough that greedy text stays text-like
     return {f"a{i}": build_tiny_adapter(model_path, out_dir / f"a{i}", seed + i, rank=rank, b_std=0.02)
@@ -1209,7 +1209,7 @@ def main(argv=None) -> Dict[str, Any]:
         for gi, (name, methods, url, flags) in enumerate(server_groups(args, adapters)):
             server, log_dir = None, None
             if url is None:
-                from tests.integration.server import Server
+                from sglang_kvshare.testing.server import Server
 
                 log_dir = Path(tempfile.mkdtemp(prefix="serving-"))
                 argv_s = ["-m", "sglang_kvshare.launch_server"]

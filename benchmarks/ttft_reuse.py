@@ -39,8 +39,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tests.integration.server import Server
-from tests.integration.workflow_helpers import payload, private_tokens, segments
+from sglang_kvshare.testing.server import Server
+from sglang_kvshare.testing.workflows import payload, private_tokens, segments
 
 METHODS = ("fullshared", "nonshared")
 BACKENDS = {"kvshare_torch": [], "torch_native": ["--attention-backend", "torch_native"]}

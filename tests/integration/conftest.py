@@ -1,7 +1,7 @@
 import pytest
 
-from tests.integration.server import kvshare_server, stock_server
-from tests.tiny_model import build_tiny_llama
+from sglang_kvshare.testing.server import kvshare_server, stock_server
+from sglang_kvshare.testing.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.integration
 

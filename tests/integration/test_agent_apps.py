@@ -17,8 +17,8 @@ import openai
 import pytest
 import requests
 
-from tests.integration.server import agents_python
-from tests.integration.workflow_helpers import grew, payload, scrape_metrics, segments
+from sglang_kvshare.testing.server import agents_python
+from sglang_kvshare.testing.workflows import grew, payload, scrape_metrics, segments
 
 ROOT = Path(__file__).resolve().parents[2]
 # app -> (the example and its flags, agents per workflow)

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from tests.integration.workflow_helpers import grew, payload, private_tokens, scrape_metrics, segments, settle
+from sglang_kvshare.testing.workflows import grew, payload, private_tokens, scrape_metrics, segments, settle
 
 
 def _question(seed: int) -> str:

@@ -7,7 +7,7 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from tests.integration.workflow_helpers import (
+from sglang_kvshare.testing.workflows import (
     QUESTION,
     SYSTEM,
     flush_cache,
@@ -361,3 +361,4 @@ def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny
         meta = later.json()["meta_info"]["kvshare"]
         assert [s["mode"] for s in meta["segments"] if s["shared"]] == ["injected", "injected"]
     assert tiny_server.generate(payload("cut-beside-long-ok", "solver", "nonshared", segments("solver", {}), 2)).status_code == 200
+

@@ -17,8 +17,8 @@ from sglang_kvshare.frontend import (
     plain_text,
     shared,
 )
+from sglang_kvshare.testing.server import kvshare_server
 from sglang_kvshare.workflows import CHATML, build_segments, get_roles
-from tests.integration.server import kvshare_server
 
 
 class RecordingEndpoint(KVShareEndpoint):

@@ -19,8 +19,8 @@ import importlib.util
 import pytest
 import torch
 
-from tests.integration.server import kvshare_server
-from tests.integration.workflow_helpers import SYSTEM, payload, run_workflow, segments
+from sglang_kvshare.testing.server import kvshare_server
+from sglang_kvshare.testing.workflows import SYSTEM, payload, run_workflow, segments
 
 CUDA = torch.cuda.is_available()
 GPU_BACKENDS = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])

@@ -11,8 +11,8 @@ import pytest
 import requests
 
 from sglang_kvshare.integration.cache.views import MIN_VIEW_TOKENS
-from tests.integration.server import kvshare_server
-from tests.integration.workflow_helpers import flush_cache, payload, scrape_metrics, segments, settle
+from sglang_kvshare.testing.server import kvshare_server
+from sglang_kvshare.testing.workflows import flush_cache, payload, scrape_metrics, segments, settle
 
 AGENTS = ("solver", "critic", "final")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.integration.server import kvshare_server
-from tests.integration.workflow_helpers import settle
+from sglang_kvshare.testing.server import kvshare_server
+from sglang_kvshare.testing.workflows import settle
 
 pytestmark = pytest.mark.slow
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from tests.integration.server import kvshare_server, running, stock_server
-from tests.integration.workflow_helpers import payload, private_tokens, segments
-from tests.tiny_model import build_tiny_adapter
+from sglang_kvshare.testing.server import kvshare_server, running, stock_server
+from sglang_kvshare.testing.tiny_model import build_tiny_adapter
+from sglang_kvshare.testing.workflows import payload, private_tokens, segments
 
 AGENTS = ("solver", "critic")
 SYSTEM = "You are one agent of a team."

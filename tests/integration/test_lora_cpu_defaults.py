@@ -5,8 +5,8 @@ first request), and serves LoRA requests."""
 import pytest
 import torch
 
-from tests.integration.server import kvshare_server
-from tests.tiny_model import build_tiny_adapter
+from sglang_kvshare.testing.server import kvshare_server
+from sglang_kvshare.testing.tiny_model import build_tiny_adapter
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.integration.server import kvshare_server, stock_server
+from sglang_kvshare.testing.server import kvshare_server, stock_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.integration.server import kvshare_server, running, stock_server
-from tests.tiny_model import build_tiny_adapter
+from sglang_kvshare.testing.server import kvshare_server, running, stock_server
+from sglang_kvshare.testing.tiny_model import build_tiny_adapter
 
 AGENTS = ("planner", "actor", "reflector")
 HEADER = "<|im_start|>system\nA team of agents works on one task. Task: " + " ".join(
@@ -305,7 +305,7 @@ def test_one_server_serves_prompt_agents_and_lora_agents_concurrently(lr_servers
     without an adapter, its kvcmas gate opens on the anchors of earlier base-model workflows."""
     from transformers import AutoTokenizer
 
-    from tests.integration.workflow_helpers import payload, segments, settle
+    from sglang_kvshare.testing.workflows import payload, segments, settle
 
     ours, stock = lr_servers
     tok = AutoTokenizer.from_pretrained(tiny_model)

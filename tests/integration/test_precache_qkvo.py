@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.server import kvshare_server, running, stock_server
+from sglang_kvshare.testing.server import kvshare_server, running, stock_server
+from sglang_kvshare.testing.tiny_model import build_tiny_adapter, build_tiny_llama, without_module
 from tests.integration.test_precache_engine import AGENTS, ask, stock_generate, stock_ids
-from tests.tiny_model import build_tiny_adapter, build_tiny_llama, without_module
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 TARGETS = {"planner": QKVO, "actor": QKVO + ("gate_proj", "up_proj", "down_proj"), "reflector": QKVO}

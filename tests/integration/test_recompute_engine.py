@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.integration.server import kvshare_server
-from tests.integration.workflow_helpers import payload, segments
-from tests.tiny_model import build_tiny_adapter, build_tiny_llama
+from sglang_kvshare.testing.server import kvshare_server
+from sglang_kvshare.testing.tiny_model import build_tiny_adapter, build_tiny_llama
+from sglang_kvshare.testing.workflows import payload, segments
 
 METHODS = ("cacheblend", "droidspeak", "relaycaching")
 NUM_LAYERS = 6

@@ -25,9 +25,9 @@ import requests
 from sglang_kvshare.correction.warm_start import SAVE_KEY
 from sglang_kvshare.launch_router import wait_router, worker_anchor_pool, worker_argv
 from sglang_kvshare.routing import routing_headers
+from sglang_kvshare.testing.server import Server
+from sglang_kvshare.testing.workflows import QUESTION, SYSTEM, payload, segments, settle
 from sglang_kvshare.workflows.transport import ServerError, http_sender
-from tests.integration.server import Server
-from tests.integration.workflow_helpers import QUESTION, SYSTEM, payload, segments, settle
 
 pytestmark = pytest.mark.integration
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from tests.integration.server import kvshare_server, running, stock_server
-from tests.integration.workflow_helpers import payload, run_workflow, segments
+from sglang_kvshare.testing.server import kvshare_server, running, stock_server
+from sglang_kvshare.testing.workflows import payload, run_workflow, segments
 
 pytestmark = pytest.mark.slow
 

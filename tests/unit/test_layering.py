@@ -1,5 +1,6 @@
 """The package's layering, read off its import statements (an AST walk, no import is run):
-``integration/`` is laid out by the SGLang process each module runs in.
+``integration/`` is laid out by the SGLang process each module runs in; ``testing/`` is the harness
+that tests and benchmarks share, which the serving package never imports.
 
 - the import graph of ``sglang_kvshare`` has no cycle;
 - nothing imports ``integration/plugin.py`` (the composition root);
@@ -7,7 +8,12 @@
 - ``integration/server/`` (the HTTP process) imports nothing of ``scheduler/``, ``model/``,
   ``cache/`` or ``state/`` (the scheduler process);
 - only ``integration/`` imports ``sglang.srt``;
-- no module is over 300 lines.
+- no module of the package is over 300 lines;
+- nothing in ``benchmarks/`` imports ``tests``, and nothing in the package imports ``tests`` or
+  ``benchmarks``;
+- only ``testing/`` itself, ``tests/``, ``benchmarks/`` and ``examples/`` import
+  ``sglang_kvshare.testing``;
+- no file of ``tests/`` is over 600 lines.
 """
 
 from __future__ import annotations
@@ -54,9 +60,14 @@ def _graph() -> dict[str, set[str]]:
     return {m: {i for i in _imports(p, m) if i in files} for m, p in files.items()}
 
 
+def _imports_under(top: str) -> dict[str, set[str]]:
+    """Every module under the folder ``top`` -> what it imports."""
+    return {m: _imports(p, m) for m, p in ((_module_name(p), p) for p in (ROOT / top).rglob("*.py"))}
+
+
 GRAPH = _graph()
-ALL_IMPORTS = {m: _imports(p, m) for m, p in
-               ((_module_name(p), p) for p in (ROOT / PACKAGE).rglob("*.py"))}
+ALL_IMPORTS = _imports_under(PACKAGE)
+TESTING = f"{PACKAGE}.testing"
 
 
 def _under(module: str, prefix: str) -> bool:
@@ -117,4 +128,34 @@ def test_only_the_integration_layer_imports_sglang_internals():
 def test_no_module_is_over_300_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 300}
+    assert long == {}
+
+
+def _importers(imports: dict[str, set[str]], prefixes) -> list[tuple[str, str]]:
+    return sorted((m, i) for m, deps in imports.items() for i in deps if any(_under(i, p) for p in prefixes))
+
+
+def test_the_walk_sees_benchmarks_and_tests():
+    # benchmarks.serving imports the harness inside a function: imports at any depth count
+    assert f"{TESTING}.server" in _imports_under("benchmarks")["benchmarks.serving"]
+    assert f"{TESTING}.server" in _imports_under("tests")["tests.integration.conftest"]
+
+
+def test_benchmarks_never_import_the_tests():
+    assert _importers(_imports_under("benchmarks"), ["tests"]) == []
+
+
+def test_the_package_imports_neither_tests_nor_benchmarks():
+    assert _importers(ALL_IMPORTS, ["tests", "benchmarks"]) == []
+
+
+def test_only_tests_benchmarks_and_examples_import_the_harness():
+    outside = {m: deps for m, deps in ALL_IMPORTS.items() if not _under(m, TESTING)}
+    outside.update(_imports_under("scripts"))
+    assert _importers(outside, [TESTING]) == []
+
+
+def test_no_test_file_is_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "tests").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
     assert long == {}
