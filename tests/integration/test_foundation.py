@@ -362,3 +362,22 @@ def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny
         assert [s["mode"] for s in meta["segments"] if s["shared"]] == ["injected", "injected"]
     assert tiny_server.generate(payload("cut-beside-long-ok", "solver", "nonshared", segments("solver", {}), 2)).status_code == 200
 
+
+def test_plain_requests_never_enter_the_sharing_path(tiny_server):
+    """Requests with no annotation and no header run plain forwards (SGLang's own layers, keys
+    at their own positions); one annotated request makes its forwards shared."""
+    import requests
+
+    before = settle(tiny_server)["forwards"]
+    text = "Plain traffic: " + QUESTION
+    assert tiny_server.generate({"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).ok
+    assert len(tiny_server.stream({"text": text + " Again.", "sampling_params": {"max_new_tokens": 6}})) >= 1
+    chat = requests.post(tiny_server.url + "/v1/chat/completions", timeout=300, json={
+        "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "stream": True})
+    assert chat.status_code == 200 and b"[DONE]" in chat.content
+    plain = settle(tiny_server)["forwards"]
+    assert plain["shared"] == before["shared"], (before, plain)
+    assert plain["plain"] >= before["plain"] + 3 * 6, (before, plain)  # a prefill and decodes each
+    r = tiny_server.generate(payload("plain-then-shared", "solver", "fullshared", segments("solver", {}), 4))
+    assert r.status_code == 200
+    assert settle(tiny_server)["forwards"]["shared"] > plain["shared"]

@@ -284,6 +284,8 @@ class BatchPlan:
 @HOOKS.around("sglang.srt.models.llama.LlamaDecoderLayer.forward", ("self", "positions", "hidden_states", "forward_batch"))
 def decoder_layer_forward(ses, original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
     fwd = ses.forward_of(forward_batch)
+    if not fwd.shared:
+        return original(layer, positions, hidden_states, forward_batch, *args, **kwargs)
     if not fwd.planned:
         fwd.plan = BatchPlan.build(forward_batch, ses)
     if fwd.plan is None:

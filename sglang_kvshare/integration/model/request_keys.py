@@ -43,18 +43,23 @@ class RequestKeys:
             kept[i] = build()
         return kept[i]
 
+    def _plain(self) -> bool:
+        """The forward begun is plain (``ForwardState.shared`` False): no request reads a view or leaf."""
+        fwd = self.session.forward
+        return fwd is not None and not fwd.shared
+
     def shifts(self, i: int, slots: torch.Tensor, seq_lens=None) -> Optional[torch.Tensor]:
         """Request ``i``'s per-key RoPE offsets over its slots ``slots`` (KV views), or None
         when it reads every key at its own position."""
         views = self.session.views
-        if views is None or views.marked == 0:
+        if views is None or views.marked == 0 or self._plain():
             return None
         return self._kept("key_shifts", i, seq_lens, lambda: views.offsets(slots))
 
     def leaf(self, i: int, slots: torch.Tensor, seq_lens=None) -> Optional[KeyLeaf]:
         """Request ``i``'s KV leaves on ``slots`` (its agent's), or None."""
         views = self.session.views
-        if views is None or views.leaves is None or not views.leaves.leaves:
+        if views is None or views.leaves is None or not views.leaves.leaves or self._plain():
             return None
 
         def build():

@@ -50,7 +50,7 @@ def select_admission(ses, original, adder, req, **kwargs):
     admission = original(adder, req, **kwargs)
     if not isinstance(admission, _PrefillAdmission):
         return admission
-    if admission.is_chunked and kwargs.get("has_chunked_req"):
+    if admission.is_chunked and kwargs.get("has_chunked_req") and ses.requests:
         # A chunk stopped at a segment leaves chunk budget that stock SGLang would give a long
         # prompt as a second chunked request; the scheduler tracks one: the prompt waits.
         return AddReqResult.OTHER

@@ -13,6 +13,10 @@ class ForwardState:
     """What the hooks of one model forward share (``Session.begin_forward``, a new one per
     forward batch):
 
+    - ``shared``: whether any request of the batch takes part in sharing (it has a segment
+      state) or the LR cache is on; a plain forward (False) runs SGLang's own layers, and the
+      ``kvshare_torch`` backend reads every key at its own position without looking up KV
+      views, leaves or recompute plans;
     - ``plan``: the recompute plan the decoder-layer hook builds at the first layer (a
       ``BatchPlan`` or None; unset until then);
     - ``running``: while a layer runs on a row subset, (plan, active rows or None, rows split by
@@ -29,6 +33,7 @@ class ForwardState:
     - ``key_leaves``: with KV leaves, each request's ``KeyLeaf`` or None (``cache/leaves.py``)."""
 
     batch: Any  # the ForwardBatch
+    shared: bool = True
     plan: Any = _UNSET
     running: Optional[tuple] = None
     lr_columns: Any = None  # [bs] int64 tensor

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from typing import Any, Optional
 
 import psutil
@@ -51,6 +52,7 @@ class Session:
         self.views = None
         self.tree = None  # the ``kvshare`` radix tree (``cache/radix.py``), once SGLang built it
         self.forward: Optional[ForwardState] = None  # the forward now running
+        self.forwards: Counter = Counter()  # forwards begun, "shared" or "plain"
         self.cut_adder = None  # the PrefillAdder whose last admission was cut at a segment
         self.twins = TwinPairs()  # ReBaseShared DB
         self._own_columns: Optional[FIFOCache] = None
@@ -179,6 +181,7 @@ class Session:
             "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
             "view_tokens": self.view_tokens(),
             "reuse_horizon_s": self.reuse.horizon(),
+            "forwards": {"plain": self.forwards["plain"], "shared": self.forwards["shared"]},
         } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
             {} if self.views is None else self.views.stats())
 
@@ -194,8 +197,12 @@ class Session:
         return self.requests.pop(req.rid, None)
 
     def begin_forward(self, forward_batch) -> ForwardState:
-        """A new forward of ``forward_batch`` starts (the attention backend's metadata step)."""
-        self.forward = ForwardState(forward_batch)
+        """A new forward of ``forward_batch`` starts (the attention backend's metadata step);
+        counted in ``forwards`` as shared or plain (``ForwardState.shared``)."""
+        rids = getattr(forward_batch, "rids", None) or ()
+        shared = self.lr is not None or any(rid in self.requests for rid in rids)
+        self.forwards["shared" if shared else "plain"] += 1
+        self.forward = ForwardState(forward_batch, shared=shared)
         return self.forward
 
     def forward_of(self, forward_batch) -> ForwardState:
