@@ -3,8 +3,9 @@
 The stock torch-native extend pads each request's queries to its whole sequence, so an extend of
 a few tokens after a long (cached or injected) prefix costs as much as attending the whole
 sequence to itself. Here the new queries alone attend to the prefix (its long runs in place) and
-causally to themselves (``kernels.offset_attention``). Decode attends each request's long runs
-of KV slots in place (``kernels.split_decode``); every other case stays stock. A request that
+causally to themselves (``kernels.offset_attention``). A decode of a batch that takes part in
+sharing attends each request's long runs of KV slots in place (``kernels.split_decode``); a plain
+batch's decode (``ForwardState.shared`` False) and every other case stay stock. A request that
 reads KV views (``cache/views.py``: keys rotated for other positions) is attended the same way,
 long runs of one RoPE offset with the query turned back, the other keys turned forward; one
 with KV leaves (``cache/leaves.py``) gathers the leaf rows and adds their correction per layer
@@ -190,6 +191,11 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         fwd = self.session.forward
         if fwd is None or fwd.batch.seq_lens is not seq_lens:
             fwd = None  # not the forward the backend began: plan without keeping it
+        elif not fwd.shared:  # a plain batch decodes as stock does (gathering its slots)
+            return super()._run_sdpa_forward_decode(
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )
         runs = None if fwd is None else fwd.decode_runs
         if runs is None:
             runs = [self.keys.decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
