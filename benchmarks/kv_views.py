@@ -3,7 +3,7 @@
 One server (``python -m sglang_kvshare.launch_server``, the default SmolLM2 on the CPU, default
 flags: views on) runs each workflow twice, in views mode and in copy mode (``kv_views: false`` in
 the annotation: every later agent writes a re-rotated copy of each shared segment into slots of
-its own, as ``--kvshare-kv-views off`` does), alternating which mode goes first, so drift of the
+its own, as ``--no-kvshare-kv-views`` does), alternating which mode goes first, so drift of the
 machine hits both alike. A workflow is sequential ``fullshared`` agents: agent i reads the
 workflow's shared context (distinct per workflow, ``benchmarks.serving.make_context``) and every
 earlier agent's output, greedy, ``--output-len`` tokens each (ignore_eos). Before each workflow

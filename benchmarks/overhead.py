@@ -102,13 +102,14 @@ def run(args) -> list[Row]:
 
     model = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model)
-    mixes = [Mix("prefill", args.prefill_tokens, 8), Mix("decode", args.decode_prompt, args.decode_output)]
+    mixes = [m for m in (Mix("prefill", args.prefill_tokens, 8), Mix("decode", args.decode_prompt, args.decode_output))
+             if m.name in args.mixes]
     settings = [(m, c) for m in mixes for c in args.concurrency]
     rows: list[Row] = []
     samples: dict[str, Counter] = {}
     with tempfile.TemporaryDirectory() as d, running(
         lambda: stock_server(model, Path(d) / "stock.log", timeout=900),
-        lambda: kvshare_server(model, Path(d) / "ours.log", timeout=900),
+        lambda: kvshare_server(model, Path(d) / "ours.log", *args.server_arg, timeout=900),
     ) as (stock, ours):
         servers = {"stock": stock, "ours": ours}
         for name, server in servers.items():  # warm-up: a request of each mix
@@ -213,6 +214,8 @@ def write(args, rows: list[Row]) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--mixes", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
+    ap.add_argument("--server-arg", action="append", default=[], help="a launch_server flag for ours (repeatable)")
     ap.add_argument("--prefill-tokens", type=int, default=1024)
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--decode-output", type=int, default=128)

@@ -81,13 +81,12 @@ class KVShareArgs:
     fallback_block: int = _flag(
         64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, docs/results.md)"
     )
-    kv_views: str = _flag(
-        "on",
-        "how a later agent holds a shared segment it reuses unchanged (fullshared): 'on' reads the "
-        "source's KV slots in place (one copy of the context; its queries turned by the RoPE "
-        "offset), where the kvshare_torch backend on the CPU with page size 1 can attend them, "
-        "else copies; 'off' always writes a re-rotated copy into the request's own slots",
-        choices=lambda: ["on", "off"],
+    kv_views: bool = _flag(
+        True,
+        "a later agent reads a shared segment it reuses unchanged (fullshared) in the source's KV "
+        "slots, in place (one copy of the context; its queries turned by the RoPE offset), where "
+        "the kvshare_torch backend on the CPU with page size 1 can attend them, else copies; "
+        "--no-kvshare-kv-views always writes a re-rotated copy into the request's own slots",
     )
     leaf_rank: int = _flag(
         8,
@@ -139,13 +138,13 @@ class KVShareArgs:
         "scheduler (background) or inside the scheduler step (inline)",
         choices=lambda: ["background", "inline"],
     )
-    keep_freed_memory: str = _flag(
-        "on",
-        "CPU scheduler: 'on' keeps memory the scheduler frees for reuse (glibc mallopt: allocations "
-        "up to 1 GiB from the heap, free heap returned to the system above 2 GiB), so the "
-        "correction's temporary tensors do not page-fault on every use (docs/results.md); "
-        "'off': glibc's defaults, as in a plain SGLang server",
-        choices=lambda: ["on", "off"],
+    keep_freed_memory: bool = _flag(
+        True,
+        "CPU scheduler, from its first annotated request on: keep memory the scheduler frees for "
+        "reuse (glibc mallopt: allocations up to 1 GiB from the heap, free heap returned to the "
+        "system above 2 GiB), so the correction's temporary tensors do not page-fault on every "
+        "use (docs/results.md); a server that never shares keeps glibc's defaults; "
+        "--no-kvshare-keep-freed-memory: glibc's defaults, as in a plain SGLang server",
     )
     anchor_pool: str = _flag(
         "",
@@ -210,10 +209,8 @@ class KVShareArgs:
             ("anchor_mem_fraction", 0.0 < self.anchor_mem_fraction < 1.0, "in (0, 1)"),
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
-            ("kv_views", self.kv_views in ("on", "off"), "'on' or 'off'"),
             ("leaf_rank", self.leaf_rank >= 0, ">= 0"),
             ("leaf_policy", self.leaf_policy in ("pressure", "always"), "'pressure' or 'always'"),
-            ("keep_freed_memory", self.keep_freed_memory in ("on", "off"), "'on' or 'off'"),
             ("rank", self.rank >= 1, ">= 1"),
             ("num_anchors", self.num_anchors >= 1, ">= 1"),
             ("lp_stash_columns", self.lp_stash_columns >= 0.0, ">= 0"),
@@ -246,8 +243,8 @@ class KVShareArgs:
             for name in names:
                 f = fields[name]
                 kw = {"default": f.default, "help": f"{f.metadata['help']} (default: {_shown(f.default)})"}
-                if isinstance(f.default, bool):
-                    kw["action"] = "store_true"
+                if isinstance(f.default, bool):  # --kvshare-x / --no-kvshare-x
+                    kw["action"] = BooleanSwitch
                 else:
                     kw["type"] = type(f.default)
                 choices = f.metadata.get("choices")
@@ -265,7 +262,18 @@ def cli_name(name: str) -> str:
 
 
 def _shown(default) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
     return "''" if default == "" else str(default)
+
+
+class BooleanSwitch(argparse.BooleanOptionalAction):
+    """``--kvshare-x`` / ``--no-kvshare-x``, the one spelling of every on/off flag (its help
+    already names the default, which argparse would append again)."""
+
+    def __init__(self, *args, help=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help = help
 
 
 def flag_table() -> str:
@@ -277,7 +285,8 @@ def flag_table() -> str:
             f = fields[name]
             choices = f.metadata.get("choices")
             meaning = f.metadata["help"] + (f" (one of: {', '.join(choices())})" if choices else "")
-            rows.append(f"| {title} | `{cli_name(name)}` | `{_shown(f.default)}` | {meaning.replace('|', '/')} |")
+            flag = cli_name(name).replace("--", "--[no-]", 1) if isinstance(f.default, bool) else cli_name(name)
+            rows.append(f"| {title} | `{flag}` | `{_shown(f.default)}` | {meaning.replace('|', '/')} |")
     return "\n".join(rows) + "\n"
 
 

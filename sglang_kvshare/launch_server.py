@@ -141,6 +141,11 @@ def split_args(argv: Sequence[str]) -> tuple[KVShareArgs, list[str]]:
 def print_help(launch) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     launch.add_server_cli_args(parser)
+    for action in parser._actions:  # SGLang requires a model; this launcher has a default
+        if "--model-path" in action.option_strings:
+            action.required = False
+            action.help = ((action.help or "").rstrip() + " (default here: the embedded "
+                           "SmolLM2-135M-Instruct, prepared on first use)").lstrip()
     KVShareArgs.add_cli_args(parser)
     parser.print_help()
 

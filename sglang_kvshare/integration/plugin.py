@@ -21,7 +21,7 @@ from sglang_kvshare import check_sglang_version
 from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration import hooks
 from sglang_kvshare.integration.cache import radix
-from sglang_kvshare.integration.cpu_shims import keep_freed_memory, unpin_lora
+from sglang_kvshare.integration.cpu_shims import unpin_lora
 from sglang_kvshare.integration.model import attention
 from sglang_kvshare.integration.scheduler.anchor_pool_file import AnchorPoolFile
 from sglang_kvshare.integration.scheduler.release import release
@@ -35,10 +35,7 @@ _LOADED = False
 
 def _build_tree(session: Session, ctx):
     """SGLang's radix-cache factory for ``kvshare``: the tree, then the warm start (the launcher
-    checked the anchor pool file already). Runs in the scheduler process: on the CPU, its freed
-    memory is kept for reuse there (``--kvshare-keep-freed-memory``)."""
-    if session.args.keep_freed_memory == "on" and not torch.cuda.is_available():
-        logger.info("kvshare: keeping freed memory for reuse in the scheduler: %s", keep_freed_memory())
+    checked the anchor pool file already). Runs in the scheduler process."""
     tree = radix.build(ctx, session, functools.partial(release, session))
     session.anchor_file.load()
     session.anchor_file.install_signal_handlers()

@@ -247,7 +247,7 @@ class FactorBatch:
         cost is one [k, D] @ [D, N r] product per layer, one elementwise pass over P and the
         memory O(N k r), not O(N k D). P - A / 2 and its product with A stay in ``compute_dtype``;
         the sums of squares and products accumulate in float32 (as precise as the earlier
-        ||x||^2 - ||P||^2 + ||P - A||^2, measured against float64, in half the time on the CPU)."""
+        ||x||^2 - ||P||^2 + ||P - A||^2, measured against float64, with fewer temporaries)."""
         c, k, _ = x.shape
         low = None
         if self.low:

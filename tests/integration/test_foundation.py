@@ -261,6 +261,8 @@ def test_help_lists_sglang_and_kvshare_flags():
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--model-path", "--attention-backend", "--kvshare-method", "--kvshare-tau", "--kvshare-dump-dir"):
         assert flag in out.stdout
+    usage = out.stdout.split("\n\n")[0]
+    assert "[--model-path MODEL_PATH]" in usage and "embedded SmolLM2-135M-Instruct" in out.stdout  # optional here
 
 
 def test_streamed_agents_get_the_record_and_their_output_is_a_source(tiny_server):

@@ -1,6 +1,6 @@
 """KV views (one copy of a shared context) in the real engine: later fullshared agents read the
 source's KV slots in place (the tiny server's default) and generate exactly what copy mode
-(``--kvshare-kv-views off``) generates, while the tree holds each shared segment once."""
+(``--no-kvshare-kv-views``) generates, while the tree holds each shared segment once."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _module_server(tmp_path_factory, tiny_model, name: str, *flags: str):
 
 @pytest.fixture(scope="module")
 def copy_server(tmp_path_factory, tiny_model):
-    yield from _module_server(tmp_path_factory, tiny_model, "tiny-copy", "--kvshare-kv-views", "off")
+    yield from _module_server(tmp_path_factory, tiny_model, "tiny-copy", "--no-kvshare-kv-views")
 
 
 def _workflow(server, wf: str, max_new_tokens: int = 16) -> list[dict]:

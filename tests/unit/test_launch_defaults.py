@@ -122,7 +122,6 @@ def test_fallback_flags():
 @pytest.mark.parametrize(
     "flag,default,other,bad_cli,bad_value,message",
     [
-        ("keep_freed_memory", "on", "off", "yes", "maybe", "'on' or 'off'"),
         ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
     ],
 )
@@ -140,6 +139,30 @@ def test_choice_flags(flag, default, other, bad_cli, bad_value, message):
         parser.parse_args([option, bad_cli])
     with pytest.raises(ValueError, match=f"{option} must be {message}"):
         KVShareArgs(**{flag: bad_value})
+
+
+@pytest.mark.parametrize("flag", ["kv_views", "keep_freed_memory", "lr_cache"])
+def test_switches_are_spelled_one_way(flag):
+    """Every on/off flag is --kvshare-x / --no-kvshare-x (argparse rejects a value after it)."""
+    import argparse
+    import dataclasses
+
+    from sglang_kvshare.config import KVShareArgs
+
+    fields = {f.name: f for f in dataclasses.fields(KVShareArgs)}
+    default = fields[flag].default
+    assert isinstance(default, bool)
+    option = "--kvshare-" + flag.replace("_", "-")
+    parser = argparse.ArgumentParser()
+    KVShareArgs.add_cli_args(parser)
+    parse = lambda *argv: getattr(KVShareArgs.from_cli_args(parser.parse_args(list(argv))), flag)  # noqa: E731
+    assert parse() is default
+    assert parse(option) is True and parse(option.replace("--", "--no-", 1)) is False
+    with pytest.raises(SystemExit):
+        parser.parse_args([option, "off"])
+    bools = [f.name for f in dataclasses.fields(KVShareArgs) if f.metadata.get("choices") is not None
+             and set(f.metadata["choices"]()) == {"on", "off"}]
+    assert bools == [], f"on/off choice flags left: {bools}"
 
 
 _RSS_AFTER_FREE = """

@@ -165,9 +165,9 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
     tree = session.tree = KVShareRadixCache(ctx.params, session, released)
     allocator = ctx.params.token_to_kv_pool_allocator
     why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")
-    if session.args.kv_views == "on" and why_not is None:
+    if session.args.kv_views and why_not is None:
         session.views = KVViews(allocator.size + 1, allocator.device, session.args.leaf_rank)  # slot 0 is padding
         logger.info("kvshare KV views on: later agents read shared segments in the source's slots")
-    elif session.args.kv_views == "on":
+    elif session.args.kv_views:
         logger.info("kvshare KV views off (%s): later agents copy shared segments", why_not)
     return tree

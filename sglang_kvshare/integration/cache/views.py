@@ -1,5 +1,5 @@
 """KV views (one copy of a shared context): a later agent reads a shared segment in the source's
-KV slots in place instead of a re-rotated copy (``--kvshare-kv-views on``).
+KV slots in place instead of a re-rotated copy (``--kvshare-kv-views``, the default).
 
 A view writes the source's slots into the reader's ``req_to_token`` row, so SGLang treats them
 as the reader's prefix; two holders (the source's tree node and the reader, later the reader's

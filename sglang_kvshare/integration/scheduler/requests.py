@@ -47,6 +47,7 @@ def admit(ses, req) -> Optional[ReqShareState]:
     spec = wire_spec_of(req)
     if spec is None:
         return None
+    ses.keep_memory_for_sharing()
     st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
     ses.requests[req.rid] = st
     family_of(st.method).admit(ses, req, st)
