@@ -41,8 +41,18 @@ class Load:
     wall_s: float
 
     @property
+    def output_tokens(self) -> int:
+        return sum(s.output_tokens for s in self.streams)
+
+    @property
     def output_tokens_per_s(self) -> float:
-        return sum(s.output_tokens for s in self.streams) / self.wall_s
+        return self.output_tokens / self.wall_s
+
+    @classmethod
+    def joined(cls, loads: Sequence["Load"]) -> "Load":
+        """Loads run one after another (same concurrency) as one: their streams, their wall times summed."""
+        return cls(loads[0].concurrency, tuple(s for load in loads for s in load.streams),
+                   sum(load.wall_s for load in loads))
 
     def median(self, field: str) -> float:
         return statistics.median(getattr(s, field) for s in self.streams)

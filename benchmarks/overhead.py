@@ -30,7 +30,6 @@ import functools
 import json
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,11 +71,9 @@ class Row:
 
 
 def summary(loads: list[Load]) -> dict:
-    streams = [s for load in loads for s in load.streams]
-    wall = sum(load.wall_s for load in loads)
-    tokens = sum(s.output_tokens for s in streams)
-    return {"output_tokens_per_s": tokens / wall, "ttft_p50_s": statistics.median(s.ttft_s for s in streams),
-            "tpot_p50_s": statistics.median(s.tpot_s for s in streams), "wall_s": wall, "output_tokens": tokens}
+    load = Load.joined(loads)
+    return {"output_tokens_per_s": load.output_tokens_per_s, "ttft_p50_s": load.median("ttft_s"),
+            "tpot_p50_s": load.median("tpot_s"), "wall_s": load.wall_s, "output_tokens": load.output_tokens}
 
 
 def prompts(tok, n: int, tokens: int, seed: int) -> list[str]:
