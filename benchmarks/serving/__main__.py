@@ -1,0 +1,3 @@
+from benchmarks.serving.cli import main
+
+main()
