@@ -31,7 +31,8 @@ import requests
 from tqdm import tqdm
 
 from sglang_kvshare.assets import ensure_default_model
-from sglang_kvshare.segments.token_index import Entry, TokenIndex, prompt_labels
+from sglang_kvshare.segments.labels import prompt_labels
+from sglang_kvshare.segments.token_index import Entry, TokenIndex
 from sglang_kvshare.testing.server import stock_server
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,11 +15,9 @@ def check_sglang_version() -> None:
         found = _metadata.version("sglang")
     except _metadata.PackageNotFoundError:
         raise ImportError(
-            f"sglang_kvshare needs sglang=={SGLANG_VERSION}, but sglang is not installed; "
-            "run scripts/setup.sh"
+            f"sglang_kvshare needs sglang=={SGLANG_VERSION}, but sglang is not installed; run scripts/setup.sh"
         ) from None
     if found != SGLANG_VERSION:
         raise ImportError(
-            f"sglang_kvshare supports sglang=={SGLANG_VERSION} only, found sglang=={found}; "
-            "run scripts/setup.sh"
+            f"sglang_kvshare supports sglang=={SGLANG_VERSION} only, found sglang=={found}; run scripts/setup.sh"
         )

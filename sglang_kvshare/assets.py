@@ -74,9 +74,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
 
     steps = tqdm(total=4, desc=f"preparing {DEFAULT_MODEL_NAME}", disable=not progress)
     steps.set_postfix_str("dequantising GGUF")
-    loaded = LlamaForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
-    )
+    loaded = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
     steps.update()
     steps.set_postfix_str("copying weights")
     config = loaded.config

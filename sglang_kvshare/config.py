@@ -51,9 +51,7 @@ def _flag(default, help: str, **kw):
 @dataclass(frozen=True)
 class KVShareArgs:
     method: str = _flag(
-        "fullshared",
-        "default sharing method for requests whose annotation names none",
-        choices=method_names,
+        "fullshared", "default sharing method for requests whose annotation names none", choices=method_names
     )
     tau: float = _flag(0.3, "entropy gate threshold of the correction methods (higher: more reuse)")
     target_rho: float = _flag(

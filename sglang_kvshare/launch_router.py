@@ -71,18 +71,33 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, List[str]]:
     parser.add_argument("--host", default="127.0.0.1", help="the router's host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     parser.add_argument("--worker-host", default="127.0.0.1", help="host the local workers bind")
-    parser.add_argument("--worker-base-port", type=int, default=None,
-                        help="port of the first local worker (default: router port + 1)")
-    parser.add_argument("--worker-url", action="append", default=[],
-                        help="a worker started by hand (python -m sglang_kvshare.launch_server ...), repeatable")
-    parser.add_argument("--router-arg", action="append", default=[],
-                        help="a flag for the router (smg), e.g. --router-arg=--policy=round_robin; repeatable")
-    parser.add_argument("--log-dir", default=None,
-                        help="write worker-<i>.log and router.log here (default: this terminal)")
-    parser.add_argument("--worker-timeout", type=float, default=1800,
-                        help="seconds to wait for the workers' /health (default 1800)")
-    parser.add_argument("--stop-timeout", type=float, default=20,
-                        help="seconds the children get after SIGTERM before SIGKILL (default 20)")
+    parser.add_argument(
+        "--worker-base-port", type=int, default=None, help="port of the first local worker (default: router port + 1)"
+    )
+    parser.add_argument(
+        "--worker-url",
+        action="append",
+        default=[],
+        help="a worker started by hand (python -m sglang_kvshare.launch_server ...), repeatable",
+    )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="a flag for the router (smg), e.g. --router-arg=--policy=round_robin; repeatable",
+    )
+    parser.add_argument(
+        "--log-dir", default=None, help="write worker-<i>.log and router.log here (default: this terminal)"
+    )
+    parser.add_argument(
+        "--worker-timeout", type=float, default=1800, help="seconds to wait for the workers' /health (default 1800)"
+    )
+    parser.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=20,
+        help="seconds the children get after SIGTERM before SIGKILL (default 20)",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     ns, rest = parser.parse_known_args(list(argv))
     if ns.help:
@@ -193,8 +208,9 @@ class Launcher:
 
     def _spawn(self, name: str, argv: List[str]) -> subprocess.Popen:
         out = self._out(name)
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)  # its own process group: signalled as one
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True
+        )  # its own process group: signalled as one
         self.children.append((name, proc))
         print(f"{PROG}: started {name} (pid {proc.pid}): {' '.join(argv[1:])}", file=sys.stderr, flush=True)
         return proc
@@ -215,8 +231,9 @@ class Launcher:
         while pending:
             for name, proc in self.children:
                 if proc.poll() is not None:
-                    raise SystemExit(f"{PROG}: {name} exited ({proc.returncode}) before it was ready"
-                                     f"{self._log_tail(name)}")
+                    raise SystemExit(
+                        f"{PROG}: {name} exited ({proc.returncode}) before it was ready{self._log_tail(name)}"
+                    )
             pending = [u for u in pending if not healthy(u)]
             if not pending:
                 return
@@ -266,12 +283,17 @@ class Launcher:
             urls = self.start_workers()
             self.wait_workers(urls)
             ns = self.ns
-            router = self._spawn("router", [sys.executable, "-m", "smg.launch_router",
-                                            *router_argv(ns.host, ns.port, urls, ns.router_arg)])
+            router = self._spawn(
+                "router",
+                [sys.executable, "-m", "smg.launch_router", *router_argv(ns.host, ns.port, urls, ns.router_arg)],
+            )
             url = f"http://{ns.host}:{ns.port}"
             wait_router(url, len(urls), proc=router)
-            print(f"{PROG}: ready: {len(urls)} workers ({' '.join(urls)}) behind the router at {url}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{PROG}: ready: {len(urls)} workers ({' '.join(urls)}) behind the router at {url}",
+                file=sys.stderr,
+                flush=True,
+            )
             return router.wait()
         except KeyboardInterrupt:
             return 0

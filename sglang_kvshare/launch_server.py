@@ -58,18 +58,37 @@ def _positive(value: str) -> bool:
 # why). Each would otherwise fail in a
 # scheduler subprocess (at startup, or on the first request or injection) with a traceback.
 REFUSED = (
-    (("--lora-backend",), lambda v: v in CPU_LORA_BACKENDS, True,
-     "SGLang's other LoRA backends need CUDA; leave the flag out (torch_native is the CPU default)"),
-    (("--radix-cache-backend",), lambda v: v == "kvshare", False,
-     "the plugin keeps shared KV in its own radix cache (kvshare, the default); "
-     "for another cache serve without the plugin (python -m sglang.launch_server)"),
-    (("--disable-radix-cache",), None, False,
-     "the plugin keeps shared KV in the radix cache; "
-     "for a server without one use python -m sglang.launch_server"),
-    (("--enable-hierarchical-cache", "--enable-hicache"), None, False,
-     "the plugin's radix cache (kvshare) has no hierarchical (host-memory) tier"),
-    (("--chunked-prefill-size",), _positive, False,
-     "shared segments are injected between prefill chunks; give a size > 0 or leave the flag out"),
+    (
+        ("--lora-backend",),
+        lambda v: v in CPU_LORA_BACKENDS,
+        True,
+        "SGLang's other LoRA backends need CUDA; leave the flag out (torch_native is the CPU default)",
+    ),
+    (
+        ("--radix-cache-backend",),
+        lambda v: v == "kvshare",
+        False,
+        "the plugin keeps shared KV in its own radix cache (kvshare, the default); "
+        "for another cache serve without the plugin (python -m sglang.launch_server)",
+    ),
+    (
+        ("--disable-radix-cache",),
+        None,
+        False,
+        "the plugin keeps shared KV in the radix cache; for a server without one use python -m sglang.launch_server",
+    ),
+    (
+        ("--enable-hierarchical-cache", "--enable-hicache"),
+        None,
+        False,
+        "the plugin's radix cache (kvshare) has no hierarchical (host-memory) tier",
+    ),
+    (
+        ("--chunked-prefill-size",),
+        _positive,
+        False,
+        "shared segments are injected between prefill chunks; give a size > 0 or leave the flag out",
+    ),
 )
 
 
@@ -96,7 +115,7 @@ def flag_value(argv: Sequence[str], flag: str) -> str | None:
     value = None
     for i, a in enumerate(argv):
         if a.startswith(flag + "="):
-            value = a[len(flag) + 1:]
+            value = a[len(flag) + 1 :]
         elif a == flag and i + 1 < len(argv):
             value = argv[i + 1]
     return value
@@ -144,8 +163,10 @@ def print_help(launch) -> None:
     for action in parser._actions:  # SGLang requires a model; this launcher has a default
         if "--model-path" in action.option_strings:
             action.required = False
-            action.help = ((action.help or "").rstrip() + " (default here: the embedded "
-                           "SmolLM2-135M-Instruct, prepared on first use)").lstrip()
+            action.help = (
+                (action.help or "").rstrip() + " (default here: the embedded "
+                "SmolLM2-135M-Instruct, prepared on first use)"
+            ).lstrip()
     KVShareArgs.add_cli_args(parser)
     parser.print_help()
 
@@ -185,11 +206,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         except AnchorPoolFileError as e:  # the message starts with the flag
             sys.exit(f"{PROG}: {e}")
         os.environ[warm_start.MODEL_ENV] = json.dumps(model)
-    print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest):])}", file=sys.stderr, flush=True)
+    print(f"{PROG}: defaults added: {' '.join(sglang_argv[len(rest) :])}", file=sys.stderr, flush=True)
     server_args = launch.prepare_server_args(sglang_argv)
     if kv_args.lr_cache and (not server_args.enable_lora or server_args.attention_backend != "kvshare_torch"):
-        sys.exit("--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
-                 "--attention-backend kvshare_torch (the backend that holds the LR pool)")
+        sys.exit(
+            "--kvshare-lr-cache needs --enable-lora (with --lora-paths) and "
+            "--attention-backend kvshare_torch (the backend that holds the LR pool)"
+        )
     if kv_args.lr_cache:
         problems = check_lora_paths(server_args.lora_paths)
         if problems:

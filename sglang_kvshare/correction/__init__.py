@@ -17,13 +17,7 @@ from sglang_kvshare.correction.pool import Anchor, AnchorPool
 
 CORRECTORS: Dict[str, Type[Corrector]] = {
     cls.name: cls
-    for cls in (
-        KVCMASCorrector,
-        KVCMASNonChainedCorrector,
-        KVCMASPlusCorrector,
-        KVCommCorrector,
-        GraphFlowCorrector,
-    )
+    for cls in (KVCMASCorrector, KVCMASNonChainedCorrector, KVCMASPlusCorrector, KVCommCorrector, GraphFlowCorrector)
 }
 
 
@@ -36,9 +30,7 @@ def create_corrector(name: str, **overrides) -> Corrector:
     try:
         cls = CORRECTORS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown correction method {name!r}; choose from {available_correctors()}"
-        ) from None
+        raise ValueError(f"unknown correction method {name!r}; choose from {available_correctors()}") from None
     return cls(**overrides)
 
 

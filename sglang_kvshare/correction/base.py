@@ -42,9 +42,7 @@ class SegmentKV:
 
     def __post_init__(self) -> None:
         if self.k.dim() != 3 or self.k.shape != self.v.shape:
-            raise ValueError(
-                f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must both be [n_layers, L, D]"
-            )
+            raise ValueError(f"k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must both be [n_layers, L, D]")
 
     @property
     def num_layers(self) -> int:
@@ -120,11 +118,15 @@ class CorrectionResult:
 
     @staticmethod
     def reject(
-        reason: str, entropy: Optional[float] = None, num_anchors: int = 0, anchor_bytes_per_token=None,
+        reason: str,
+        entropy: Optional[float] = None,
+        num_anchors: int = 0,
+        anchor_bytes_per_token=None,
         blocks: Tuple[GateBlock, ...] = (),
     ) -> "CorrectionResult":
-        return CorrectionResult(False, None, entropy, num_anchors, 0, reason,
-                                anchor_bytes_per_token=anchor_bytes_per_token, blocks=blocks)
+        return CorrectionResult(
+            False, None, entropy, num_anchors, 0, reason, anchor_bytes_per_token=anchor_bytes_per_token, blocks=blocks
+        )
 
 
 class Corrector(ABC):
@@ -206,9 +208,7 @@ class Corrector(ABC):
         """Counters for metrics and tests (plain Python values)."""
 
 
-def apply_delta(
-    base: SegmentKV, source: SegmentKV, delta: KVDelta, num_rows: int, inplace: bool = False
-) -> SegmentKV:
+def apply_delta(base: SegmentKV, source: SegmentKV, delta: KVDelta, num_rows: int, inplace: bool = False) -> SegmentKV:
     """The corrected cache: ``base + delta`` on rows ``:num_rows``, ``source`` beyond them (rows
     no correction covers keep the source agent's aligned cache). A new SegmentKV in source's
     dtype, or ``source`` itself, overwritten, when ``inplace`` (the caller owns it)."""

@@ -44,8 +44,7 @@ class GraphFlowCorrector(Corrector):
         self._counts: Counter = Counter()
 
     def correct(
-        self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None,
-        block_size=None,
+        self, slot, source_agent, target_agent, source, reference=None, materialize=True, tau=None, block_size=None
     ) -> CorrectionResult:
         if reference is None:
             raise ValueError("graphflow needs the context-free reference cache")
@@ -80,7 +79,9 @@ class GraphFlowCorrector(Corrector):
     def state_dict(self) -> dict:
         from sglang_kvshare.correction.store import factor_state
 
-        return {"relations": [[list(key), factor_state(dk), factor_state(dv)] for key, (dk, dv) in self._relations.items()]}
+        return {
+            "relations": [[list(key), factor_state(dk), factor_state(dv)] for key, (dk, dv) in self._relations.items()]
+        }
 
     def load_state_dict(self, state: dict) -> int:
         from sglang_kvshare.correction.store import factor_from_state

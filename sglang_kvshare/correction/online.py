@@ -40,13 +40,7 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from sglang_kvshare.correction.base import (
-    CorrectionResult,
-    Corrector,
-    SegmentKV,
-    apply_delta,
-    check_pair,
-)
+from sglang_kvshare.correction.base import CorrectionResult, Corrector, SegmentKV, apply_delta, check_pair
 from sglang_kvshare.correction.gate import gate
 from sglang_kvshare.correction.online_math import AnchorPoolMath, Edge
 from sglang_kvshare.correction.pool import Anchor, AnchorPool, bytes_per_token, fingerprint
@@ -184,8 +178,15 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
         return reference
 
     def correct(
-        self, slot, source_agent, target_agent, source, reference=None, materialize: bool = True,
-        tau: Optional[float] = None, block_size: Optional[int] = None,
+        self,
+        slot,
+        source_agent,
+        target_agent,
+        source,
+        reference=None,
+        materialize: bool = True,
+        tau: Optional[float] = None,
+        block_size: Optional[int] = None,
     ) -> CorrectionResult:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -218,8 +219,15 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
         return [a for a in compatible if a.seq_len >= k], k, ""
 
     def _correct(
-        self, slot: str, target_agent: str, base: SegmentKV, source: SegmentKV, edge: Edge, materialize: bool,
-        tau: float, block_size: Optional[int] = None,
+        self,
+        slot: str,
+        target_agent: str,
+        base: SegmentKV,
+        source: SegmentKV,
+        edge: Edge,
+        materialize: bool,
+        tau: float,
+        block_size: Optional[int] = None,
     ) -> CorrectionResult:
         members, k, reason = self.members(slot, target_agent, base.seq_len)
         per_token = bytes_per_token(members, target_agent)
@@ -239,8 +247,9 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
             a.use_count += 1
         kv = apply_delta(base, source, delta, k) if materialize else None
         reason = "partial" if entropy is not None and entropy > tau else "accepted"  # partial: some blocks
-        return CorrectionResult(True, kv, entropy, len(members), k, reason, delta=delta,
-                                anchor_bytes_per_token=per_token, blocks=blocks)
+        return CorrectionResult(
+            True, kv, entropy, len(members), k, reason, delta=delta, anchor_bytes_per_token=per_token, blocks=blocks
+        )
 
     def prepare(self, slot, source_agent, target_agent, source, target, reference=None) -> Observation:
         base = self._base(source, reference)
@@ -275,8 +284,11 @@ class AnchorPoolCorrector(AnchorPoolMath, Corrector):
             self._counts["num_merged"] += 1
             return anchor
         anchor = Anchor(
-            base_k=obs.base[0], base_v=obs.base[1], deltas={obs.target_agent: obs.delta},
-            source_agent=obs.owner, key=obs.key,
+            base_k=obs.base[0],
+            base_v=obs.base[1],
+            deltas={obs.target_agent: obs.delta},
+            source_agent=obs.owner,
+            key=obs.key,
         )
         self._counts["num_inserted"] += 1
         self._counts["num_evicted"] += len(pool.insert(anchor))

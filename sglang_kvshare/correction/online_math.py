@@ -80,7 +80,12 @@ class AnchorPoolMath:
         return apply_delta(base, base, self._delta(base, members, target_agent, k, dist_v, edge), k)
 
     def _delta(
-        self, base: SegmentKV, members: List[Anchor], target_agent: str, k: int, dist_v: torch.Tensor,
+        self,
+        base: SegmentKV,
+        members: List[Anchor],
+        target_agent: str,
+        k: int,
+        dist_v: torch.Tensor,
         edge: Optional[Edge],
     ) -> KVDelta:
         """The estimated correction of rows :k (eq. 8), [n_layers, k, D] per keys and values."""

@@ -38,7 +38,9 @@ def anchor_state(a) -> Dict[str, Any]:
     return {
         "base": [factor_state(a.base_k), factor_state(a.base_v)],
         "deltas": {t: [factor_state(dk), factor_state(dv)] for t, (dk, dv) in a.deltas.items()},
-        "source_agent": a.source_agent, "key": list(a.key), "use_count": a.use_count,
+        "source_agent": a.source_agent,
+        "key": list(a.key),
+        "use_count": a.use_count,
     }
 
 
@@ -47,16 +49,21 @@ def anchor_from_state(d: Mapping[str, Any]):
     from sglang_kvshare.correction.pool import Anchor
 
     return Anchor(
-        base_k=factor_from_state(d["base"][0]), base_v=factor_from_state(d["base"][1]),
+        base_k=factor_from_state(d["base"][0]),
+        base_v=factor_from_state(d["base"][1]),
         deltas={t: (factor_from_state(dk), factor_from_state(dv)) for t, (dk, dv) in d["deltas"].items()},
-        source_agent=d["source_agent"], key=tuple(d["key"]), use_count=int(d["use_count"]),
+        source_agent=d["source_agent"],
+        key=tuple(d["key"]),
+        use_count=int(d["use_count"]),
     )
 
 
 def save(path: str, header: Mapping[str, Any], correctors: Mapping[str, Any]) -> None:
     """Write the state of ``correctors`` (name -> object with ``state_dict()``) atomically."""
     payload = {
-        "format": FORMAT, "version": VERSION, "header": dict(header),
+        "format": FORMAT,
+        "version": VERSION,
+        "header": dict(header),
         "correctors": {name: c.state_dict() for name, c in correctors.items() if hasattr(c, "state_dict")},
     }
     path = Path(path)
@@ -77,9 +84,13 @@ def read(path: str) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - every way a file can be broken
         raise AnchorPoolFileError(f"{path}: not a readable anchor pool file ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise AnchorPoolFileError(f"{path}: not an anchor pool file (format {payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
+        raise AnchorPoolFileError(
+            f"{path}: not an anchor pool file (format {payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})"
+        )
     if payload.get("version") != VERSION:
-        raise AnchorPoolFileError(f"{path}: anchor pool file version {payload.get('version')}, this server reads {VERSION}")
+        raise AnchorPoolFileError(
+            f"{path}: anchor pool file version {payload.get('version')}, this server reads {VERSION}"
+        )
     return payload
 
 
@@ -90,8 +101,9 @@ def check_header(path: str, found: Mapping[str, Any], expected: Mapping[str, Any
         raise AnchorPoolFileError(f"{path} was written for another model or configuration ({'; '.join(diffs)})")
 
 
-def load(path: str, expected_header: Mapping[str, Any], correctors: Mapping[str, Any],
-         create: Optional[Any] = None) -> int:
+def load(
+    path: str, expected_header: Mapping[str, Any], correctors: Mapping[str, Any], create: Optional[Any] = None
+) -> int:
     """Check the file against ``expected_header`` and load each stored corrector's state into
     ``correctors[name]`` (made with ``create(name)`` when missing). Returns the anchors loaded."""
     payload = read(path)

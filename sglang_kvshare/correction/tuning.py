@@ -71,9 +71,14 @@ class TauController:
 
     def stats(self) -> dict:
         return {
-            "tau": self.tau(), "base_tau": self.base_tau, "target_rho": self.target_rho,
-            "cap": self.cap, "num_gates": len(self._gates), "num_shadowed": self.num_errors,
-            "num_error_violations": self.num_violations, "last_error": self.last_error,
+            "tau": self.tau(),
+            "base_tau": self.base_tau,
+            "target_rho": self.target_rho,
+            "cap": self.cap,
+            "num_gates": len(self._gates),
+            "num_shadowed": self.num_errors,
+            "num_error_violations": self.num_violations,
+            "last_error": self.last_error,
         }
 
 

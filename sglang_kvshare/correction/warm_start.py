@@ -25,8 +25,17 @@ from sglang_kvshare.correction import store
 
 MODEL_ENV = "SGLANG_KVSHARE_MODEL"
 SAVE_KEY = "kvshare_save_anchor_pool"
-_CONFIG_KEYS = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "max_position_embeddings")
+_CONFIG_KEYS = (
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rope_theta",
+    "max_position_embeddings",
+)
 
 
 def model_identity(model_path: str) -> Dict[str, Any]:
@@ -49,14 +58,17 @@ def check_file(args, model_path: str) -> Dict[str, Any]:
     ``args.anchor_pool`` or the ``args.anchor_pool_seed`` (which must exist) does not fit this
     server. The seed is checked even when the server's own file will be loaded instead."""
     model = model_identity(model_path)
-    for flag, path, required in (("--kvshare-anchor-pool", args.anchor_pool, False),
-                                 ("--kvshare-anchor-pool-seed", args.anchor_pool_seed, True)):
+    for flag, path, required in (
+        ("--kvshare-anchor-pool", args.anchor_pool, False),
+        ("--kvshare-anchor-pool-seed", args.anchor_pool_seed, True),
+    ):
         if not path or not (required or os.path.exists(path)):
             continue
         if not os.path.exists(path):
             raise store.AnchorPoolFileError(
                 f"{flag}: {path} does not exist (a seed is only read: give a file that a server saved "
-                f"with --kvshare-anchor-pool, or leave the flag out for a cold start)")
+                f"with --kvshare-anchor-pool, or leave the flag out for a cold start)"
+            )
         try:
             payload = store.read(path)
             store.check_header(path, payload["header"], header(args, model))

@@ -91,8 +91,13 @@ class KVShareEndpoint(RuntimeEndpoint):
         headers = {"Content-Type": "application/json; charset=utf-8", **routing_headers(data)}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        return requests.post(self.base_url + "/generate", json=data, stream=stream, headers=headers,
-                             verify=self.verify if self.verify is not None else True)
+        return requests.post(
+            self.base_url + "/generate",
+            json=data,
+            stream=stream,
+            headers=headers,
+            verify=self.verify if self.verify is not None else True,
+        )
 
     # ------------------------------------------------------------------ BaseBackend API
 

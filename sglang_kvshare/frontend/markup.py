@@ -91,9 +91,7 @@ def agent_role(
     )
 
 
-_STRIP_RE = re.compile(
-    f"{AGENT_OPEN}[^{AGENT_CLOSE}]*{AGENT_CLOSE}|{SHARED_OPEN}[^{SLOT_END}]*{SLOT_END}|[{_MARKERS}]"
-)
+_STRIP_RE = re.compile(f"{AGENT_OPEN}[^{AGENT_CLOSE}]*{AGENT_CLOSE}|{SHARED_OPEN}[^{SLOT_END}]*{SLOT_END}|[{_MARKERS}]")
 
 
 def plain_text(text: Any) -> str:
@@ -166,11 +164,7 @@ def parse_marked(text: str) -> Tuple[Optional[AgentHeader], List[Dict[str, Any]]
 
 
 def build_request(
-    text: str,
-    sampling: Dict[str, Any],
-    *,
-    workflow: str,
-    method: Optional[str],
+    text: str, sampling: Dict[str, Any], *, workflow: str, method: Optional[str]
 ) -> Optional[Dict[str, Any]]:
     """The POST /generate body for a marked program text, or None when it has no markup (then
     the stock request applies). Raises :class:`MarkupError` for shared spans without an agent."""

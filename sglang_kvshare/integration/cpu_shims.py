@@ -40,7 +40,7 @@ class _TorchvisionMetaLoader(importlib.abc.Loader):
         if torchvision.extension._has_ops():
             return self._wrapped.exec_module(module)
         original = torch.library.register_fake
-        torch.library.register_fake = lambda *a, **k: (lambda fn: fn)
+        torch.library.register_fake = lambda *a, **k: lambda fn: fn
         try:
             self._wrapped.exec_module(module)
         finally:

@@ -13,8 +13,15 @@ from sglang_kvshare.integration.server import chat_serving, generate
 # hooks of the HTTP (tokenizer) process: registered with its ``server.context.ServerContext``
 SERVER_HOOKS = (generate.HOOKS, chat_serving.HOOKS)
 # hooks of the scheduler process (its scheduling loop and model forward): registered with the session
-SCHEDULER_HOOKS = (prefill.HOOKS, requests.HOOKS, double_batch.HOOKS, worker_forward.HOOKS,
-                   lora_hooks.HOOKS, recompute_layer.HOOKS, views.HOOKS)
+SCHEDULER_HOOKS = (
+    prefill.HOOKS,
+    requests.HOOKS,
+    double_batch.HOOKS,
+    worker_forward.HOOKS,
+    lora_hooks.HOOKS,
+    recompute_layer.HOOKS,
+    views.HOOKS,
+)
 
 
 def all_hooks() -> list[hookspec.Hook]:

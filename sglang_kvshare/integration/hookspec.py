@@ -83,8 +83,10 @@ def check(hooks: Iterable[Hook]) -> None:
         try:
             obj = resolve(target)
         except (ImportError, AttributeError) as e:
-            raise RuntimeError(f"kvshare: hooked SGLang target {target} does not exist ({e}); "
-                               f"this plugin supports sglang=={SGLANG_VERSION}") from None
+            raise RuntimeError(
+                f"kvshare: hooked SGLang target {target} does not exist ({e}); "
+                f"this plugin supports sglang=={SGLANG_VERSION}"
+            ) from None
         params = list(inspect.signature(obj).parameters)
         missing = [p for p in hook.reads if p not in params]
         if params[: len(hook.params)] != list(hook.params) or missing:

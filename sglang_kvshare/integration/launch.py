@@ -17,8 +17,14 @@ from sglang_kvshare.config import KVShareArgs
 from sglang_kvshare.integration.hooks import check_hook_targets
 from sglang_kvshare.integration.server import middleware
 
-__all__ = ["add_server_cli_args", "check_hook_targets", "install_middleware", "load_plugins",
-           "prepare_server_args", "serve"]
+__all__ = [
+    "add_server_cli_args",
+    "check_hook_targets",
+    "install_middleware",
+    "load_plugins",
+    "prepare_server_args",
+    "serve",
+]
 
 
 def add_server_cli_args(parser) -> None:

@@ -127,7 +127,8 @@ def flash_lora_attention_triton(
         n_agents, rank = lr_buf.shape[1], lr_buf.shape[2]
         assert lr_buf.shape[0] == S and lr_buf.stride(-1) == 1, "lr_buf must be [S, n, r_max]"
         assert B_v is not None and B_v.shape == (n_agents, rank, Hkv * D), (
-            f"B_v must be [{n_agents}, {rank}, {Hkv * D}], got {tuple(B_v.shape)}")
+            f"B_v must be [{n_agents}, {rank}, {Hkv * D}], got {tuple(B_v.shape)}"
+        )
         assert B_v.stride(-1) == 1, "B_v must be contiguous in its last dim"
     dummy = q.new_zeros(1)
     lrk, bk, cos, sin = dummy, dummy, dummy, dummy
@@ -137,13 +138,13 @@ def flash_lora_attention_triton(
         assert rope.is_neox and rope.rotary_dim == D, "kernel supports neox RoPE over all of D"
         assert lrk.dim() == 3 and lrk.shape[0] == S and lrk.stride(-1) == 1, "lr_k_buf [S, n, r]"
         assert bk.shape == (lrk.shape[1], lrk.shape[2], Hkv * D) and bk.stride(-1) == 1, (
-            f"B_k must be [{lrk.shape[1]}, {lrk.shape[2]}, {Hkv * D}], got {tuple(bk.shape)}")
+            f"B_k must be [{lrk.shape[1]}, {lrk.shape[2]}, {Hkv * D}], got {tuple(bk.shape)}"
+        )
         assert not has_lr or lrk.shape[1:] == lr_buf.shape[1:], "key and value LR need one r_max"
         rank = lrk.shape[2]
         max_kv = int((kv_indptr[1:] - kv_indptr[:-1]).max().item()) if num_req else 1
         cos, sin = rope_tables(rope, max(1, max_kv), q.device)
-        lk_strides, bk_strides, cs_stride = (lrk.stride(0), lrk.stride(1)), (
-            bk.stride(0), bk.stride(1)), cos.stride(0)
+        lk_strides, bk_strides, cs_stride = (lrk.stride(0), lrk.stride(1)), (bk.stride(0), bk.stride(1)), cos.stride(0)
     shift, scos, ssin, shift_lo = dummy, dummy, dummy, 0
     if key_shift is not None:
         shift, rope = key_shift
@@ -161,7 +162,8 @@ def flash_lora_attention_triton(
         assert key_leaf.leaf.shape == lrow.shape == kv_indices.shape, "key_leaf must align with kv_indices"
         assert lav.shape == lak.shape and lak.stride(-1) == lav.stride(-1) == 1, "A_k, A_v [rows, r]"
         assert lbk.shape == lbv.shape == (lbk.shape[0], lrank, Hkv * D) and lbk.stride(-1) == lbv.stride(-1) == 1, (
-            f"B_k, B_v must be [n_leaves, {lrank}, {Hkv * D}]")
+            f"B_k, B_v must be [n_leaves, {lrank}, {Hkv * D}]"
+        )
         ltab, lwhich = leaf_table(key_leaf.leaf, kv_indptr)
         lrow, nleaf = lrow.to(torch.int32).contiguous(), ltab.shape[1]
     if max_q_len is None:
@@ -175,22 +177,71 @@ def flash_lora_attention_triton(
     block_n = block_n or (64 if q.is_cuda else 16)
     grid = (num_req, Hq, triton.cdiv(max_q_len, block_m))
     flash_lora_attention_kernel[grid](
-        q, k_buf, v_buf, lr_t, bv_t, out,
-        kv_indices, qo_indptr, kv_indptr, agent,
-        lrk, bk, cos, sin, shift, scos, ssin, shift_lo,
-        lwhich, lrow, ltab, lak, lav, lbk, lbv,
-        D ** -0.5 if scale is None else scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-        v_buf.stride(0), v_buf.stride(1),
-        lr_t.stride(0), lr_t.stride(1), bv_t.stride(0), bv_t.stride(1),
-        out.stride(0), out.stride(1),
-        *lk_strides, *bk_strides, cs_stride, scos.stride(0) if key_shift is not None else 0,
-        ltab.stride(0), lak.stride(0), lav.stride(0), lbk.stride(0), lbk.stride(1), lbv.stride(0), lbv.stride(1),
-        GROUP=Hq // Hkv, HEAD_DIM=D, RANK=rank,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_next_pow2(D), BLOCK_R=_next_pow2(rank),
-        CAUSAL=causal, HAS_LR=has_lr, HAS_KEY_LR=key_lr is not None, HAS_SHIFT=key_shift is not None,
+        q,
+        k_buf,
+        v_buf,
+        lr_t,
+        bv_t,
+        out,
+        kv_indices,
+        qo_indptr,
+        kv_indptr,
+        agent,
+        lrk,
+        bk,
+        cos,
+        sin,
+        shift,
+        scos,
+        ssin,
+        shift_lo,
+        lwhich,
+        lrow,
+        ltab,
+        lak,
+        lav,
+        lbk,
+        lbv,
+        D**-0.5 if scale is None else scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        lr_t.stride(0),
+        lr_t.stride(1),
+        bv_t.stride(0),
+        bv_t.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *lk_strides,
+        *bk_strides,
+        cs_stride,
+        scos.stride(0) if key_shift is not None else 0,
+        ltab.stride(0),
+        lak.stride(0),
+        lav.stride(0),
+        lbk.stride(0),
+        lbk.stride(1),
+        lbv.stride(0),
+        lbv.stride(1),
+        GROUP=Hq // Hkv,
+        HEAD_DIM=D,
+        RANK=rank,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=_next_pow2(D),
+        BLOCK_R=_next_pow2(rank),
+        CAUSAL=causal,
+        HAS_LR=has_lr,
+        HAS_KEY_LR=key_lr is not None,
+        HAS_SHIFT=key_shift is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_LEAF=key_leaf is not None, NLEAF=nleaf, LRANK=lrank, BLOCK_RL=_next_pow2(lrank, 1),
+        HAS_LEAF=key_leaf is not None,
+        NLEAF=nleaf,
+        LRANK=lrank,
+        BLOCK_RL=_next_pow2(lrank, 1),
         BLOCK_L=max(16, _next_pow2(nleaf, 1) * _next_pow2(lrank, 1)),
     )
     return out

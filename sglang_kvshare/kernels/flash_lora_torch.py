@@ -55,8 +55,14 @@ def _leaf_delta(leaves: KVLeafRows, k0: int, k1: int, A: torch.Tensor, B: torch.
     return out.view(k1 - k0, *shape)
 
 
-def _keys(k_buf: torch.Tensor, slots: torch.Tensor, k0: int, k1: int, key_shift: Optional[KeyShift],
-          key_leaf: Optional[KVLeafRows] = None):
+def _keys(
+    k_buf: torch.Tensor,
+    slots: torch.Tensor,
+    k0: int,
+    k1: int,
+    key_shift: Optional[KeyShift],
+    key_leaf: Optional[KVLeafRows] = None,
+):
     k = k_buf[slots]
     if key_leaf is not None:
         k = k.float() + _leaf_delta(key_leaf, k0, k1, key_leaf.A_k, key_leaf.B_k, k.shape[1:])
@@ -105,8 +111,10 @@ def flash_lora_attention_reference(
         k = _keys(k_buf, slots, k0, k1, key_shift, key_leaf)
         if key_lr is not None and j >= 0:
             pos = torch.arange(k.shape[0], device=k.device)
-            k = k.float() + expand_key_lr(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], k.shape[1],
-                                          pos, key_lr.rope).float()
+            k = (
+                k.float()
+                + expand_key_lr(key_lr.lr_k_buf[slots, j], key_lr.B_k[j], k.shape[1], pos, key_lr.rope).float()
+            )
         out[q0:q1] = flash_lora_attention(q[q0:q1], k, _values(v_buf, slots, k0, k1, key_leaf), lr, bv, scale, causal)
     return out
 
@@ -141,7 +149,7 @@ def flash_lora_attention_sdpa(
     Hq, D = q.shape[1], q.shape[2]
     Hkv = k_buf.shape[1]
     G = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     for b in range(qo_indptr.numel() - 1):
         q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
         k0, k1 = int(kv_indptr[b]), int(kv_indptr[b + 1])
@@ -170,8 +178,7 @@ def flash_lora_attention_sdpa(
             q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos
         o = F.scaled_dot_product_attention(
-            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
-            enable_gqa=G > 1,
+            qi.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=G > 1
         ).squeeze(0)  # [Hq, q, D (+ r)]
         res = o[..., :D]
         if j >= 0:
@@ -198,8 +205,7 @@ def _rope_table(rope: RopeSpec, n: int, device) -> tuple:
     return hit[0][:n], hit[1][:n]
 
 
-def rotate_key_delta(lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int,
-                     rope: RopeSpec) -> torch.Tensor:
+def rotate_key_delta(lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int, rope: RopeSpec) -> torch.Tensor:
     """``RoPE(LR_k B_k)`` [T, Hkv, D] float32 for T keys at positions 0 .. T-1 (their indices in
     the request): lr_k [T, r] (scaling folded in), B_k [r, Hkv * D]. Same math as
     ``lora_cache.expand_key_lr``, with cached trigonometry (``rope.align.rotate``)."""

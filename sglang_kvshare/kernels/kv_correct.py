@@ -90,14 +90,33 @@ if triton is not None:
 
     @triton.jit
     def _kv_correct_kernel(
-        k_pool, v_pool, src_idx, dst_idx,
-        cos_k, sin_k, cos_d, sin_d,  # [T, HALF] float32
-        ka, kb, va, vb,  # A [T, R], B [R, H * Dh]
-        stride_row, stride_head,
-        stride_ka, stride_kb, stride_va, stride_vb,
-        Dh, HALF, RK, RV,
-        IS_NEOX: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+        k_pool,
+        v_pool,
+        src_idx,
+        dst_idx,
+        cos_k,
+        sin_k,
+        cos_d,
+        sin_d,  # [T, HALF] float32
+        ka,
+        kb,
+        va,
+        vb,  # A [T, R], B [R, H * Dh]
+        stride_row,
+        stride_head,
+        stride_ka,
+        stride_kb,
+        stride_va,
+        stride_vb,
+        Dh,
+        HALF,
+        RK,
+        RV,
+        IS_NEOX: tl.constexpr,
+        HAS_KD: tl.constexpr,
+        HAS_VD: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -196,11 +215,33 @@ def kv_correct_triton(
     ka, kb, s_ka, s_kb, rk = factors(k_delta)
     va, vb, s_va, s_vb, rv = factors(v_delta)
     _kv_correct_kernel[(T, H)](
-        k_pool, v_pool, src_idx, dst_idx, cos_k, sin_k, cos_d, sin_d, ka, kb, va, vb,
-        k_pool.stride(0), k_pool.stride(1), s_ka, s_kb, s_va, s_vb,
-        Dh, spec.rotary_dim // 2, rk, rv,
-        IS_NEOX=spec.is_neox, HAS_KD=k_delta is not None, HAS_VD=v_delta is not None,
-        BLOCK_D=triton.next_power_of_2(Dh), BLOCK_R=16,
+        k_pool,
+        v_pool,
+        src_idx,
+        dst_idx,
+        cos_k,
+        sin_k,
+        cos_d,
+        sin_d,
+        ka,
+        kb,
+        va,
+        vb,
+        k_pool.stride(0),
+        k_pool.stride(1),
+        s_ka,
+        s_kb,
+        s_va,
+        s_vb,
+        Dh,
+        spec.rotary_dim // 2,
+        rk,
+        rv,
+        IS_NEOX=spec.is_neox,
+        HAS_KD=k_delta is not None,
+        HAS_VD=v_delta is not None,
+        BLOCK_D=triton.next_power_of_2(Dh),
+        BLOCK_R=16,
     )
 
 

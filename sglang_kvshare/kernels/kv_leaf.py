@@ -162,8 +162,10 @@ def leaf_rows(leaves: Sequence[Optional[KeyLeaf]], kv_lens: Sequence[int], layer
     r = max(f.rank for pair in factors for f in pair)
 
     def side(fs):  # one side's A rows concatenated and B stacked, ranks zero-padded to r
-        return (torch.cat([F.pad(f.A[layer], (0, r - f.rank)) for f in fs]),
-                torch.stack([F.pad(f.B[layer], (0, 0, 0, r - f.rank)) for f in fs]))
+        return (
+            torch.cat([F.pad(f.A[layer], (0, r - f.rank)) for f in fs]),
+            torch.stack([F.pad(f.B[layer], (0, 0, 0, r - f.rank)) for f in fs]),
+        )
 
     (A_k, B_k), (A_v, B_v) = side([fk for fk, _ in factors]), side([fv for _, fv in factors])
     dev = A_k.device

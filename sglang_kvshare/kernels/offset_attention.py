@@ -71,8 +71,14 @@ def _turn_matrix(shift: int, D: int, rope: RopeSpec, device) -> torch.Tensor:
     return _turned(eye, _turn_tables(torch.full((D,), shift, device=device), rope), rope)[:, 0, :]
 
 
-def key_plan(slots: torch.Tensor, shifts: torch.Tensor, rope: RopeSpec, min_run: int = MIN_RUN,
-             leaf: Optional[KeyLeaf] = None, rows_of: Optional[torch.Tensor] = None) -> KeyPlan:
+def key_plan(
+    slots: torch.Tensor,
+    shifts: torch.Tensor,
+    rope: RopeSpec,
+    min_run: int = MIN_RUN,
+    leaf: Optional[KeyLeaf] = None,
+    rows_of: Optional[torch.Tensor] = None,
+) -> KeyPlan:
     """Plan the keys in ``slots`` [n] (int) whose RoPE is ``shifts`` [n] positions earlier than
     the request reads them: runs of >= ``min_run`` slots (first slot, length, shift, and the
     run's rows of ``leaf`` or None; ``rows_of``: ``leaf.rows_of``), the rest with its turn tables."""
@@ -108,8 +114,15 @@ def _rows(x: torch.Tensor, Hkv: int) -> torch.Tensor:
     return x.reshape(T, Hkv, Hq // Hkv, D).permute(1, 0, 2, 3).reshape(1, Hkv, -1, D)
 
 
-def plan_pieces(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float,
-                rope: RopeSpec, layer: int = 0) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+def plan_pieces(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: KeyPlan,
+    scale: float,
+    rope: RopeSpec,
+    layer: int = 0,
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """(outputs, log-sum-exps) of queries q [T, Hq, D] that see every key of ``plan`` in
     k_cache / v_cache [rows, Hkv, D] (of ``layer``: the row of a KV leaf's factors), per piece
     [1, Hkv, T * G, Dv] and [1, Hkv, T * G] (rows (t, g): KV head h's G query heads of token t),
@@ -146,7 +159,12 @@ def _heads(out: torch.Tensor, T: int, Hq: int) -> torch.Tensor:
 
 
 def offset_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: KeyPlan, scale: float, rope: RopeSpec,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: KeyPlan,
+    scale: float,
+    rope: RopeSpec,
     layer: int = 0,
 ) -> torch.Tensor:
     """One decode query q [Hq, D] over the keys of ``plan``: [Hq, Dv], equal to SDPA over the
@@ -156,9 +174,17 @@ def offset_decode_attention(
 
 
 def offset_extend_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, shifts: torch.Tensor,
-    q_pos: torch.Tensor, scale: float, rope: Optional[RopeSpec], before: Optional[KeyPlan] = None,
-    leaf: Optional[KeyLeaf] = None, layer: int = 0,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    shifts: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    rope: Optional[RopeSpec],
+    before: Optional[KeyPlan] = None,
+    leaf: Optional[KeyLeaf] = None,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Causal attention of an extend's queries q [T, Hq, D] (at the request's positions
     ``q_pos`` [T]) over a request's keys: ``slots`` [kv] in k_cache / v_cache, key i at the
@@ -181,8 +207,12 @@ def offset_extend_attention(
     outs, lses = plan_pieces(q, k_cache, v_cache, before, scale, rope, layer)
     tail = slots[lo:]
     if tail.numel():
-        k, v = with_leaf(k_cache[tail], v_cache[tail],
-                         leaf_part(leaf, rows_of, torch.arange(lo, slots.numel(), device=slots.device)), layer)
+        k, v = with_leaf(
+            k_cache[tail],
+            v_cache[tail],
+            leaf_part(leaf, rows_of, torch.arange(lo, slots.numel(), device=slots.device)),
+            layer,
+        )
         k = _turned(k, _turn_tables(shifts[lo:], rope), rope).movedim(0, 1).unsqueeze(0)
         v = v.movedim(0, 1).unsqueeze(0)
         if tail.numel() == T and torch.equal(q_pos, torch.arange(lo, lo + T, device=q_pos.device)):
@@ -190,10 +220,31 @@ def offset_extend_attention(
             outs.append(o[0].view(Hkv, G, T, -1).permute(0, 2, 1, 3).reshape(1, Hkv, T * G, -1))  # rows (t, g)
             lses.append(lse[0].view(Hkv, G, T).permute(0, 2, 1).reshape(1, Hkv, T * G))
         else:
-            seen = (torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None])
+            seen = torch.arange(lo, lo + tail.numel(), device=q.device)[None, :] <= q_pos[:, None]
             seen = seen.repeat_interleave(G, 0)  # rows (t, g)
             mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
             o, lse = FLASH(_rows(q, Hkv), k, v, attn_mask=mask, scale=scale)[:2]
             outs.append(o)
             lses.append(lse.masked_fill(~seen.any(-1), float("-inf")))  # the kernel gives 0 for a row that sees no key
     return _heads(merge_pieces(outs, lses, q.dtype), T, Hq)
+
+
+def slot_attention(
+    q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor, q_pos: Optional[torch.Tensor], scale, enable_gqa: bool
+) -> torch.Tensor:
+    """q [n, H, D] over the keys of ``slots`` gathered from the pool (no views, no leaves): each
+    query sees the slots up to its position ``q_pos`` [n]; ``q_pos`` None: the queries are the
+    slots themselves (a causal prefill). Returns [n, H, D_v]."""
+    k = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
+    v = v_cache[slots].transpose(0, 1).to(q.dtype)
+    mask = None if q_pos is None else torch.arange(len(slots), device=q.device)[None, :] <= q_pos[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=q_pos is None,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return o.squeeze(0).transpose(0, 1)

@@ -28,25 +28,21 @@ from sglang_kvshare.rope.align import RopeSpec, shift_keys
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"need q [Tq, Hq, D], k/v [Tk, Hkv, D]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"need q [Tq, Hq, D], k/v [Tk, Hkv, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"head dims differ or Hq={q.shape[1]} is not a multiple of "
-                         f"Hkv={k.shape[1]}")
+        raise ValueError(f"head dims differ or Hq={q.shape[1]} is not a multiple of Hkv={k.shape[1]}")
 
 
 def attention_probs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    scale: Optional[float] = None,
-    causal: bool = True,
-    q_start: Optional[int] = None,
+    q: torch.Tensor, k: torch.Tensor, scale: Optional[float] = None, causal: bool = True, q_start: Optional[int] = None
 ) -> torch.Tensor:
     """Softmax probabilities ``[Hkv, G, Tq, Tk]`` (float32) of q [Tq, Hq, D] over k [Tk, Hkv, D],
     G = Hq // Hkv; see ``AttentionSpan`` for ``causal`` / ``q_start``."""
     Tq, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     qh = q.float().view(Tq, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)  # [Hkv, G, Tq, D]
     scores = torch.einsum("hgqd,khd->hgqk", qh, k.float()) * scale
     mask = AttentionSpan(Tq, Tk, q_start, causal).mask(q.device)
@@ -79,8 +75,7 @@ def flash_lora_attention(
     if lr is not None:
         r = lr.shape[1]
         if lr.shape[0] != Tk or B_v.shape != (r, Hkv * D):
-            raise ValueError(f"need lr [{Tk}, r] and B_v [r, {Hkv * D}], got "
-                             f"{tuple(lr.shape)}, {tuple(B_v.shape)}")
+            raise ValueError(f"need lr [{Tk}, r] and B_v [r, {Hkv * D}], got {tuple(lr.shape)}, {tuple(B_v.shape)}")
         p_lr = torch.einsum("hgqk,kr->hgqr", P, lr.float())  # [Hkv, G, Tq, r]
         B_h = B_v.float().view(r, Hkv, D).permute(1, 0, 2)  # [Hkv, r, D]
         out = out + torch.einsum("hgqr,hrd->hgqd", p_lr, B_h)
@@ -88,8 +83,7 @@ def flash_lora_attention(
 
 
 def expand_key_lr(
-    lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int, positions: torch.Tensor,
-    rope: RopeSpec,
+    lr_k: torch.Tensor, B_k: torch.Tensor, num_kv_heads: int, positions: torch.Tensor, rope: RopeSpec
 ) -> torch.Tensor:
     """Post-RoPE key delta ``RoPE(LR_k B_k)`` [Tk, Hkv, D] (lr_k.dtype) for keys at ``positions``
     [Tk] (int). lr_k [Tk, r] (scaling folded in), B_k [r, Hkv * D]."""
@@ -146,7 +140,7 @@ def lora_attention_naive(
     G = Hq // Hkv
     kr = k.float().repeat_interleave(G, dim=1)  # [Tk, Hq, D]
     vr = v.repeat_interleave(G, dim=1)
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     scores = torch.einsum("qhd,khd->hqk", q.float(), kr) * scale
     mask = AttentionSpan(Tq, Tk, q_start, causal).mask(q.device)
     if mask is not None:

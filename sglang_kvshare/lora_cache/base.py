@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+
 @dataclass(frozen=True)
 class LoRAProjection:
     """One adapter's LoRA factors on one projection of one layer.

@@ -54,26 +54,32 @@ class OwnLRColumn:
 
     @classmethod
     @torch.no_grad()
-    def take(cls, buffers: Sequence[torch.Tensor], slots: torch.Tensor, column: int, start: int,
-             token_ids: Sequence[int]) -> "OwnLRColumn":
+    def take(
+        cls, buffers: Sequence[torch.Tensor], slots: torch.Tensor, column: int, start: int, token_ids: Sequence[int]
+    ) -> "OwnLRColumn":
         """Copy column ``column`` of ``buffers`` at ``slots`` [n] (int64; the rows of positions
         ``start .. start + n - 1``, tokens ``token_ids``)."""
         if slots.numel() != len(token_ids):
             raise ValueError(f"{slots.numel()} slots for {len(token_ids)} tokens")
-        return cls(column, start, tuple(int(t) for t in token_ids),
-                   tuple(buf[slots, column].clone() for buf in buffers))
+        return cls(
+            column, start, tuple(int(t) for t in token_ids), tuple(buf[slots, column].clone() for buf in buffers)
+        )
 
     @torch.no_grad()
-    def put(self, buffers: Sequence[torch.Tensor], slots: torch.Tensor, start: int,
-            token_ids: Sequence[int]) -> int:
+    def put(self, buffers: Sequence[torch.Tensor], slots: torch.Tensor, start: int, token_ids: Sequence[int]) -> int:
         """Write the kept column onto ``slots`` [n] (int64), the rows of positions
         ``start .. start + n - 1`` holding ``token_ids``: on the positions both cover, up to the
         first whose token differs (the hidden states past it differ). Returns the rows written;
         ValueError when the buffers are not those it was taken from (count, rank)."""
-        if slots.numel() != len(token_ids) or len(buffers) != len(self.values) or any(
-                b.shape[2:] != v.shape[1:] for b, v in zip(buffers, self.values)):
-            raise ValueError(f"{slots.numel()} slots for {len(token_ids)} tokens; buffers "
-                             f"{[tuple(b.shape) for b in buffers]} for kept {[tuple(v.shape) for v in self.values]}")
+        if (
+            slots.numel() != len(token_ids)
+            or len(buffers) != len(self.values)
+            or any(b.shape[2:] != v.shape[1:] for b, v in zip(buffers, self.values))
+        ):
+            raise ValueError(
+                f"{slots.numel()} slots for {len(token_ids)} tokens; buffers "
+                f"{[tuple(b.shape) for b in buffers]} for kept {[tuple(v.shape) for v in self.values]}"
+            )
         span = own_span((self.start, self.end), (start, start + len(token_ids)))
         if span is None:
             return 0

@@ -30,14 +30,11 @@ def load_peft_adapter(
     if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
         raise ValueError(f"{path}: rank/alpha patterns are not supported")
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
-    scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    scaling = alpha / (r**0.5 if cfg.get("use_rslora") else r)
     tensors = load_file(str(path / "adapter_model.safetensors"))
     parts: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         m = _KEY.search(name)
         if m:
             parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t.to(dtype)
-    return {
-        key: LoRAProjection.from_peft(ab["A"], ab["B"], scaling)
-        for key, ab in sorted(parts.items())
-    }
+    return {key: LoRAProjection.from_peft(ab["A"], ab["B"], scaling) for key, ab in sorted(parts.items())}

@@ -41,12 +41,12 @@ def lr_cache_refusal(name: str, hf_config: dict) -> Optional[str]:
     head = f"adapter {name!r} cannot be served with --kvshare-lr-cache"
     targets = target_names(hf_config)
     if isinstance(targets, str):
-        return (f"{head}: target_modules={targets!r} is a shorthand; list the modules "
-                f"(served: {', '.join(SERVED_TARGETS)})")
+        return (
+            f"{head}: target_modules={targets!r} is a shorthand; list the modules (served: {', '.join(SERVED_TARGETS)})"
+        )
     other = [t for t in targets if t not in SERVED_TARGETS]
     if other:
-        return (f"{head}: it adapts {', '.join(other)}; the LR cache serves adapters on "
-                f"{', '.join(SERVED_TARGETS)} only")
+        return f"{head}: it adapts {', '.join(other)}; the LR cache serves adapters on {', '.join(SERVED_TARGETS)} only"
     if hf_config.get("rank_pattern") or hf_config.get("alpha_pattern"):
         return f"{head}: it has a per-module rank_pattern/alpha_pattern; the LR cache needs one rank and one scaling per adapter"
     if hf_config.get("use_dora"):

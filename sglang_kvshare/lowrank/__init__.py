@@ -12,4 +12,14 @@ from sglang_kvshare.lowrank.factors import (
     truncated_svd,
 )
 
-__all__ = ["Dense", "Factor", "FactorBatch", "LowRank", "effective_rank", "factorize", "native_bfloat16", "randomized_svd", "truncated_svd"]
+__all__ = [
+    "Dense",
+    "Factor",
+    "FactorBatch",
+    "LowRank",
+    "effective_rank",
+    "factorize",
+    "native_bfloat16",
+    "randomized_svd",
+    "truncated_svd",
+]

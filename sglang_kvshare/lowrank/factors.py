@@ -26,9 +26,7 @@ class LowRank:
 
     def __post_init__(self) -> None:
         if self.A.dim() < 2 or self.A.dim() != self.B.dim():
-            raise ValueError(
-                f"A {tuple(self.A.shape)} and B {tuple(self.B.shape)} must be [..., L, r], [..., r, D]"
-            )
+            raise ValueError(f"A {tuple(self.A.shape)} and B {tuple(self.B.shape)} must be [..., L, r], [..., r, D]")
         if self.A.shape[:-2] != self.B.shape[:-2] or self.A.shape[-1] != self.B.shape[-2]:
             raise ValueError(f"A {tuple(self.A.shape)} and B {tuple(self.B.shape)} do not chain")
 
@@ -124,8 +122,9 @@ def truncated_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = Non
     return LowRank(A.to(dtype).contiguous(), B.contiguous())
 
 
-def randomized_svd(Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = None, oversample: int = 8,
-                   niter: int = 1, seed: int = 0) -> LowRank:
+def randomized_svd(
+    Z: torch.Tensor, rank: int, dtype: Optional[torch.dtype] = None, oversample: int = 8, niter: int = 1, seed: int = 0
+) -> LowRank:
     """``truncated_svd(Z, rank)`` approximated by ``torch.svd_lowrank`` (a randomized range
     finder with ``oversample`` extra columns and ``niter`` power iterations, seeded for
     repeatability without touching the global generator): about 3x faster on a 2K x 192 matrix

@@ -47,9 +47,7 @@ METHODS: dict[str, MethodSpec] = {
     for m in (
         MethodSpec("nonshared", False, "every agent prefills its whole prompt (stock SGLang)"),
         MethodSpec(
-            "fullshared",
-            True,
-            "inject the source agent's cache of each shared segment, RoPE re-aligned, uncorrected",
+            "fullshared", True, "inject the source agent's cache of each shared segment, RoPE re-aligned, uncorrected"
         ),
         MethodSpec(
             "kvcmas",
@@ -87,8 +85,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec(
             "cacheblend",
             True,
-            "CacheBlend: reuse the source cache, recompute the top KV-deviation tokens past the "
-            "check layers",
+            "CacheBlend: reuse the source cache, recompute the top KV-deviation tokens past the check layers",
             selector="cacheblend",
         ),
         MethodSpec(
@@ -142,9 +139,7 @@ def get_method(name: str) -> MethodSpec:
     try:
         return METHODS[name]
     except KeyError:
-        raise KeyError(
-            f"unknown kvshare method {name!r}; known methods: {', '.join(METHODS)}"
-        ) from None
+        raise KeyError(f"unknown kvshare method {name!r}; known methods: {', '.join(METHODS)}") from None
 
 
 def method_variant(label: str) -> tuple[str, dict]:

@@ -28,16 +28,10 @@ from sglang_kvshare.recompute.cacheblend import CacheBlendSelector
 from sglang_kvshare.recompute.coverage import coverage, coverage_of_errors, relative_coverage
 from sglang_kvshare.recompute.droidspeak import DroidSpeakProfile, DroidSpeakSelector
 from sglang_kvshare.recompute.random import RandomSelector, random_mask, random_mask_like
-from sglang_kvshare.recompute.relaycaching import (
-    RelayCachingSelector,
-    attention_mass,
-    middle_third,
-    relay_scores,
-)
+from sglang_kvshare.recompute.relaycaching import RelayCachingSelector, attention_mass, middle_third, relay_scores
 
 SELECTORS: Dict[str, Type[BaseSelector]] = {
-    cls.name: cls
-    for cls in (CacheBlendSelector, DroidSpeakSelector, RelayCachingSelector, RandomSelector)
+    cls.name: cls for cls in (CacheBlendSelector, DroidSpeakSelector, RelayCachingSelector, RandomSelector)
 }
 
 

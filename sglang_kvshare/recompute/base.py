@@ -73,9 +73,7 @@ def entry_deviation(reused: KV, exact: KV) -> torch.Tensor:
     """
     a, b = stack_kv(reused), stack_kv(exact)
     if a.shape != b.shape or a.dim() != 3:
-        raise ValueError(
-            f"expected two [num_layers, seg_len, D] tensors, got {tuple(a.shape)}, {tuple(b.shape)}"
-        )
+        raise ValueError(f"expected two [num_layers, seg_len, D] tensors, got {tuple(a.shape)}, {tuple(b.shape)}")
     return (a.float() - b.float()).pow(2).sum(dim=-1)
 
 
@@ -94,8 +92,7 @@ def compose(reused: KV, recomputed: KV, mask: torch.Tensor) -> torch.Tensor:
     a, b = stack_kv(reused), stack_kv(recomputed)
     if a.shape != b.shape or tuple(mask.shape) != tuple(a.shape[:2]):
         raise ValueError(
-            f"shapes disagree: reused {tuple(a.shape)}, recomputed {tuple(b.shape)}, "
-            f"mask {tuple(mask.shape)}"
+            f"shapes disagree: reused {tuple(a.shape)}, recomputed {tuple(b.shape)}, mask {tuple(mask.shape)}"
         )
     return torch.where(mask.to(a.device).unsqueeze(-1), b.to(a.dtype), a)
 
@@ -119,10 +116,7 @@ class RecomputePlan:
 
     def __post_init__(self) -> None:
         if self.mask.dtype != torch.bool or self.mask.dim() != 2:
-            raise ValueError(
-                f"mask must be bool [num_layers, seg_len], got {self.mask.dtype} "
-                f"{tuple(self.mask.shape)}"
-            )
+            raise ValueError(f"mask must be bool [num_layers, seg_len], got {self.mask.dtype} {tuple(self.mask.shape)}")
 
     @property
     def num_layers(self) -> int:

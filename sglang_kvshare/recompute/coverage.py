@@ -46,9 +46,7 @@ def coverage(reused: KV, exact: KV, mask: torch.Tensor) -> float:
     return coverage_of_errors(entry_deviation(reused, exact), mask)
 
 
-def relative_coverage(
-    reused: KV, exact: KV, mask: torch.Tensor, seeds: Sequence[int] = DEFAULT_SEEDS
-) -> float:
+def relative_coverage(reused: KV, exact: KV, mask: torch.Tensor, seeds: Sequence[int] = DEFAULT_SEEDS) -> float:
     """``coverage(mask)`` divided by the mean coverage of ``random_mask_like(mask, seed)`` over
     ``seeds`` (same number of token-layers). NaN when that mean is 0 (e.g. an empty mask)."""
     errors = entry_deviation(reused, exact)

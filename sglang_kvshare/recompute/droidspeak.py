@@ -198,9 +198,7 @@ class DroidSpeakSelector(BaseSelector):
     name: ClassVar[str] = NAME
     requires: ClassVar[Tuple[str, ...]] = ()
 
-    def __init__(
-        self, profile: Optional[DroidSpeakProfile] = None, max_groups: int = DEFAULT_MAX_GROUPS
-    ) -> None:
+    def __init__(self, profile: Optional[DroidSpeakProfile] = None, max_groups: int = DEFAULT_MAX_GROUPS) -> None:
         self.profile = profile
         self.max_groups = max_groups
 
@@ -213,7 +211,5 @@ class DroidSpeakSelector(BaseSelector):
         if self.profile is None:
             raise ValueError("droidspeak needs an offline DroidSpeakProfile")
         if self.profile.num_layers != inputs.num_layers:
-            raise ValueError(
-                f"profile has {self.profile.num_layers} layers, model has {inputs.num_layers}"
-            )
+            raise ValueError(f"profile has {self.profile.num_layers} layers, model has {inputs.num_layers}")
         return self.profile.plan(ratio, inputs.seg_len, self.max_groups)

@@ -23,9 +23,7 @@ class StoredHidden:
     def covers(self, token_ids: list[int]) -> bool:
         n = len(token_ids)
         return (
-            n <= len(self.token_ids)
-            and bool(self.filled[:n].all())
-            and self.token_ids[:n].tolist() == list(token_ids)
+            n <= len(self.token_ids) and bool(self.filled[:n].all()) and self.token_ids[:n].tolist() == list(token_ids)
         )
 
     @property

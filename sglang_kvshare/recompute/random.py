@@ -28,9 +28,7 @@ def _pick(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=gen)[:k]
 
 
-def random_mask(
-    num_layers: int, seg_len: int, ratio: float, unit: str = "token_layers", seed: int = 0
-) -> torch.Tensor:
+def random_mask(num_layers: int, seg_len: int, ratio: float, unit: str = "token_layers", seed: int = 0) -> torch.Tensor:
     """bool ``[num_layers, seg_len]`` CPU mask with ``num_selected(ratio, n)`` units chosen
     uniformly without replacement (see the module docstring for ``unit``)."""
     mask = torch.zeros(num_layers, seg_len, dtype=torch.bool)
@@ -54,9 +52,7 @@ def random_mask_like(mask: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return out.view(mask.shape).to(mask.device)
 
 
-def plan(
-    num_layers: int, seg_len: int, ratio: float, unit: str = "token_layers", seed: int = 0
-) -> RecomputePlan:
+def plan(num_layers: int, seg_len: int, ratio: float, unit: str = "token_layers", seed: int = 0) -> RecomputePlan:
     """Random plan; ``layer_groups`` is empty (no structure the engine could exploit)."""
     mask = random_mask(num_layers, seg_len, ratio, unit=unit, seed=seed)
     return RecomputePlan(method=NAME, ratio=float(ratio), mask=mask)

@@ -109,9 +109,7 @@ def relay_scores(token_deviation: torch.Tensor, attention_mass: torch.Tensor) ->
     return unit(dev) * unit(att)
 
 
-def attention_mass(
-    queries: torch.Tensor, keys: torch.Tensor, scale: Optional[float] = None
-) -> torch.Tensor:
+def attention_mass(queries: torch.Tensor, keys: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
     """Attention mass each key position receives from the query tokens, averaged over queries and
     heads (so it sums to 1 over the keys).
 
@@ -155,9 +153,7 @@ def plan(
         raise ValueError("seg_len is needed when no scores are given")
     total = num_selected(ratio, seg_len * num_layers)
     if total == 0:
-        return RecomputePlan(
-            method=NAME, ratio=ratio, mask=torch.zeros(num_layers, seg_len, dtype=torch.bool)
-        )
+        return RecomputePlan(method=NAME, ratio=ratio, mask=torch.zeros(num_layers, seg_len, dtype=torch.bool))
     if ratio == 1.0 or total == seg_len * num_layers:
         return RecomputePlan.dense(NAME, num_layers, seg_len)
     if token_deviation is None or attention_mass is None:
@@ -184,9 +180,7 @@ class RelayCachingSelector(BaseSelector):
     name: ClassVar[str] = NAME
     requires: ClassVar[Tuple[str, ...]] = ("token_deviation", "attention_mass")
 
-    def __init__(
-        self, layer_scores: Optional[torch.Tensor] = None, range_width: Optional[int] = None
-    ) -> None:
+    def __init__(self, layer_scores: Optional[torch.Tensor] = None, range_width: Optional[int] = None) -> None:
         self.layer_scores = layer_scores
         self.range_width = range_width
 

@@ -28,9 +28,7 @@ class RopeSpec:
     is_neox: bool = True
 
 
-def inv_freq_for(
-    rotary_dim: int, base: float, rope_scaling: Optional[Mapping] = None
-) -> torch.Tensor:
+def inv_freq_for(rotary_dim: int, base: float, rope_scaling: Optional[Mapping] = None) -> torch.Tensor:
     """Inverse frequencies [rotary_dim // 2] (float32) for default or llama3 RoPE.
 
     Any other scaling type raises: YaRN-style scalings also rescale magnitudes, which a pure
@@ -60,9 +58,7 @@ def inv_freq_for(
     return out.float()
 
 
-def shift_keys(
-    k: torch.Tensor, delta: Union[int, torch.Tensor], spec: RopeSpec
-) -> torch.Tensor:
+def shift_keys(k: torch.Tensor, delta: Union[int, torch.Tensor], spec: RopeSpec) -> torch.Tensor:
     """Return keys re-rotated by ``delta`` positions (a new tensor, same dtype as ``k``).
 
     k: [T, H, D] keys that already carry RoPE at their old positions.

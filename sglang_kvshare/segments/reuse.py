@@ -79,7 +79,11 @@ def lru_victims(leaves: Iterable, rows: int, priority: Callable) -> Optional[lis
         taken += len(node.value)
         parent = node.parent
         gone[id(parent)] += 1
-        if parent is not None and parent.parent is not None and parent.lock_ref == 0 \
-                and gone[id(parent)] == len(parent.children):
+        if (
+            parent is not None
+            and parent.parent is not None
+            and parent.lock_ref == 0
+            and gone[id(parent)] == len(parent.children)
+        ):
             heapq.heappush(heap, (priority(parent), next(tie), parent))
     return victims

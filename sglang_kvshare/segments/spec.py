@@ -60,8 +60,20 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     """Validate a JSON ``kvshare`` object; raises :class:`AnnotationError` on any defect."""
     if not isinstance(raw, Mapping):
         raise AnnotationError(f"kvshare must be an object, got {type(raw).__name__}")
-    known = {"workflow", "agent", "method", "segments", "sources", "recompute_ratio", "tau", "target_rho",
-             "fallback", "fallback_block", "kv_views", "leaves"}
+    known = {
+        "workflow",
+        "agent",
+        "method",
+        "segments",
+        "sources",
+        "recompute_ratio",
+        "tau",
+        "target_rho",
+        "fallback",
+        "fallback_block",
+        "kv_views",
+        "leaves",
+    }
     unknown = sorted(set(raw) - known)
     if unknown:
         raise AnnotationError(f"kvshare has unknown keys {unknown}; known keys: {sorted(known)}")

@@ -7,11 +7,8 @@ equals a run of an entry, at any position on either side: ``k``-gram seeds sampl
 tokens of an entry (any common run of ``2k - 1`` tokens holds one) are extended both ways; the
 longest run at the leftmost uncovered position wins (ties: the most recent, the chained source).
 
-Slot names (stable across the workflows of one app, so KVCMAS's per-slot anchor pools warm up):
-every indexed token carries the *label* of where its text first appeared in the scope: ``out:A``
-(agent ``A``'s output), ``ctx:A:<i>`` (a new prompt token of agent ``A`` in its message, or
-``/generate`` paragraph, ``i``), or its source's label when reused. A run is cut where its source's
-labels change, each part named by its label (``#2``, ``#3``... for a label met again in a prompt).
+Slot names: every indexed token carries the *label* of where its text first appeared in the
+scope (``segments.labels``); a run is cut where its source's labels change.
 
 :class:`TokenIndex` keeps the scopes within a token budget per scope and in total (each token
 costs ~``BYTES_PER_TOKEN``), forgetting the oldest entries first, least recently used scope first.
@@ -23,6 +20,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+from sglang_kvshare.segments.labels import merge_short
 
 # a k-gram seed's candidates kept per hash (newest); more would only be older copies of a run
 MAX_HITS = 8
@@ -38,7 +37,7 @@ def seed_len(min_tokens: int) -> int:
 def common_run(a: Sequence[int], i: int, b: Sequence[int], j: int) -> int:
     """Length of the common run of ``a[i:]`` and ``b[j:]`` (compared 64 at a time)."""
     n, m = 0, min(64, len(a) - i, len(b) - j)
-    while m > 0 and a[i + n:i + n + m] == b[j + n:j + n + m]:
+    while m > 0 and a[i + n : i + n + m] == b[j + n : j + n + m]:
         n, m = n + m, min(64, len(a) - i - n - m, len(b) - j - n - m)
     return n + next((t for t in range(max(m, 0)) if a[i + n + t] != b[j + n + t]), max(m, 0))
 
@@ -90,8 +89,14 @@ class Run:
         return self.end - self.start
 
     def record(self) -> dict:
-        return {"slot": self.slot, "source_agent": self.source_agent, "source_kind": self.source_kind,
-                "here": [self.start, self.end], "there": [self.src_start, self.src_end], "tokens": len(self)}
+        return {
+            "slot": self.slot,
+            "source_agent": self.source_agent,
+            "source_kind": self.source_kind,
+            "here": [self.start, self.end],
+            "there": [self.src_start, self.src_end],
+            "tokens": len(self),
+        }
 
 
 class ScopeIndex:
@@ -128,7 +133,7 @@ class ScopeIndex:
         """Sample the seeds of ``entry`` from position ``first`` (on the grid of k) on."""
         k, ids = self.k, entry.ids
         for p in range(first, len(ids) - k + 1, k):
-            h = hash(tuple(ids[p:p + k]))
+            h = hash(tuple(ids[p : p + k]))
             hits = self.seeds.setdefault(h, [])
             hits.append((entry.number, p))
             if len(hits) > MAX_HITS:
@@ -158,9 +163,9 @@ class ScopeIndex:
         q = covered = 0
         while q + k <= n:
             best = None
-            for number, p in reversed(self.seeds.get(hash(tuple(ids[q:q + k])), ())):
+            for number, p in reversed(self.seeds.get(hash(tuple(ids[q : q + k])), ())):
                 entry = self.entries.get(number)
-                if entry is None or entry.ids[p:p + k] != ids[q:q + k]:
+                if entry is None or entry.ids[p : p + k] != ids[q : q + k]:
                     continue
                 back = 0
                 while q - back > covered and p - back > 0 and ids[q - back - 1] == entry.ids[p - back - 1]:
@@ -179,49 +184,20 @@ class ScopeIndex:
                 seen[label] = seen.get(label, 0) + 1
                 slot = label if seen[label] == 1 else f"{label}#{seen[label]}"
                 here = start + a - there
-                runs.append(Run(here, here + b - a, slot, label, entry.key, entry.agent, entry.kind_at(a),
-                                entry.offset + a, entry.offset + b))
+                runs.append(
+                    Run(
+                        here,
+                        here + b - a,
+                        slot,
+                        label,
+                        entry.key,
+                        entry.agent,
+                        entry.kind_at(a),
+                        entry.offset + a,
+                        entry.offset + b,
+                    )
+                )
         return runs
-
-
-def merge_short(parts: list[tuple[int, int, str]], k: int) -> list[tuple[int, int, str]]:
-    """Contiguous labelled ``parts`` with each one shorter than ``k`` joined to the one before it
-    (the first to the one after it), so a run stays whole without slivers of a few tokens."""
-    out: list[tuple[int, int, str]] = []
-    for a, b, label in parts:
-        if out and (b - a < k or out[-1][1] - out[-1][0] < k):
-            keep = out[-1][2] if out[-1][1] - out[-1][0] >= k or b - a < k else label
-            out[-1] = (out[-1][0], b, keep)
-        else:
-            out.append((a, b, label))
-    return out
-
-
-def prompt_labels(n: int, runs: Sequence[Run], agent: str, message_of: Sequence[int]) -> list[tuple[int, int, str]]:
-    """Labels of a prompt of ``n`` tokens: each run's, elsewhere ``ctx:<agent>:<message>`` (token
-    ``t`` in message ``message_of[t]``)."""
-    labels: list[tuple[int, int, str]] = []
-
-    def put(a: int, b: int, label: str) -> None:
-        if labels and labels[-1][1] == a and labels[-1][2] == label:
-            labels[-1] = (labels[-1][0], b, label)
-        elif b > a:
-            labels.append((a, b, label))
-
-    pos = 0
-    for run in list(runs) + [None]:
-        stop = n if run is None else run.start
-        while pos < stop:
-            msg = message_of[pos] if pos < len(message_of) else 0
-            end = pos + 1
-            while end < stop and (message_of[end] if end < len(message_of) else 0) == msg:
-                end += 1
-            put(pos, end, f"ctx:{agent}:{msg}")
-            pos = end
-        if run is not None:
-            put(run.start, run.end, run.label)
-            pos = run.end
-    return labels
 
 
 class TokenIndex:
@@ -287,9 +263,14 @@ class TokenIndex:
     def info(self) -> dict:
         """What ``/server_info`` shows (``kvshare_auto_index``)."""
         return {
-            "scopes": len(self.scopes), "entries": sum(len(s.entries) for s in self.scopes.values()),
-            "tokens": self.tokens, "bytes": self.tokens * BYTES_PER_TOKEN, "forgotten_entries": self.forgotten,
+            "scopes": len(self.scopes),
+            "entries": sum(len(s.entries) for s in self.scopes.values()),
+            "tokens": self.tokens,
+            "bytes": self.tokens * BYTES_PER_TOKEN,
+            "forgotten_entries": self.forgotten,
             "largest_scope_tokens": max((s.tokens for s in self.scopes.values()), default=0),
-            "limit_scope_tokens": self.scope_tokens, "limit_total_tokens": self.total_tokens,
-            "min_tokens": self.min_tokens, "seed_tokens": self.k,
+            "limit_scope_tokens": self.scope_tokens,
+            "limit_total_tokens": self.total_tokens,
+            "min_tokens": self.min_tokens,
+            "seed_tokens": self.k,
         }

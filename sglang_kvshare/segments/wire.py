@@ -24,7 +24,7 @@ def output_slot(agent: str) -> str:
 
 def output_agent(slot: str) -> Optional[str]:
     """The agent whose output slot ``slot`` is (None: not an output slot)."""
-    return slot[len(OUTPUT_SLOT_PREFIX):] if slot.startswith(OUTPUT_SLOT_PREFIX) else None
+    return slot[len(OUTPUT_SLOT_PREFIX) :] if slot.startswith(OUTPUT_SLOT_PREFIX) else None
 
 
 def one_record(value: Any) -> Any:

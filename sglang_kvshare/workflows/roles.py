@@ -137,8 +137,7 @@ _MC_FINAL = Role(
 )
 
 _MATH_LAST_LINE = (
-    " The last line of your output contains only the final result without any units, for "
-    "example: The answer is 140"
+    " The last line of your output contains only the final result without any units, for example: The answer is 140"
 )
 _GSM8K_ROLES = (
     Role(
@@ -242,8 +241,12 @@ _AO = CHATML.assistant_open
 _LORA_TURNS = (
     ("solver", "Solver", "\n\nSolve the problem step by step and end with '#### <answer>'."),
     ("critic", "Critic", "<|im_end|>\n<|im_start|>user\nCheck the proposed solution above and give a verdict."),
-    ("final", "Final", "<|im_end|>\n<|im_start|>user\nRead the solution and the check, then state the final "
-     "answer as '#### <answer>'."),
+    (
+        "final",
+        "Final",
+        "<|im_end|>\n<|im_start|>user\nRead the solution and the check, then state the final "
+        "answer as '#### <answer>'.",
+    ),
 )
 LORA_SYSTEM_PROMPT = "You are one agent of a team that solves grade-school math problems."
 
@@ -255,17 +258,21 @@ def lora_conversation_roles(dataset: str = "gsm8k") -> RoleSet:
     setting). Each role's instruction is its closing text; it is also the glue in front of its
     output when a later agent reads it (``title`` = instruction + assistant header)."""
     roles = [
-        Role(name=name, title=instr + _AO, system_prompt=LORA_SYSTEM_PROMPT,
-             glue_template="{source}", closing_instruction=instr, lora_path=name)
+        Role(
+            name=name,
+            title=instr + _AO,
+            system_prompt=LORA_SYSTEM_PROMPT,
+            glue_template="{source}",
+            closing_instruction=instr,
+            lora_path=name,
+        )
         for name, _, instr in _LORA_TURNS
     ]
     return RoleSet(dataset=dataset, task_roles=tuple(roles[:2]), final_role=roles[2])
 
 
 def with_lora_adapters(
-    role_set: RoleSet,
-    adapters: Mapping[str, str],
-    shared_system_prompt: Optional[str] = None,
+    role_set: RoleSet, adapters: Mapping[str, str], shared_system_prompt: Optional[str] = None
 ) -> RoleSet:
     """LoRA-specialised agents: role ``name`` uses adapter ``adapters[name]`` (roles not named keep
     the base model). With ``shared_system_prompt`` every role's system prompt is replaced by it, so

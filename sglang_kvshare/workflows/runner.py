@@ -104,17 +104,12 @@ def run_task(
         raise ValueError(f"task {task.id!r} is {task.dataset!r} but roles are {roles.dataset!r}")
     workflow_id = workflow_id or f"wf:{task.id}"
     role_by_name = roles.by_name()
-    schedule = build_schedule(
-        topology, [r.name for r in roles.task_roles], roles.final_role.name, num_rounds
-    )
+    schedule = build_schedule(topology, [r.name for r in roles.task_roles], roles.final_role.name, num_rounds)
     outputs: List[str] = []
     turn_records: List[TurnRecord] = []
     for index, turn in enumerate(schedule):
         role = role_by_name[turn.agent]
-        read_outputs = [
-            (schedule[j].agent, role_by_name[schedule[j].agent].title, outputs[j])
-            for j in turn.reads
-        ]
+        read_outputs = [(schedule[j].agent, role_by_name[schedule[j].agent].title, outputs[j]) for j in turn.reads]
         segments = build_segments(role, task.question, read_outputs, chat_format)
         payload = build_payload(role, segments, workflow_id, method, max_new_tokens, temperature)
         start = time.perf_counter()
@@ -126,9 +121,7 @@ def run_task(
         prompt_tokens = kvshare.get("prompt_tokens", meta.get("prompt_tokens"))
         completion_tokens = meta.get("completion_tokens")
         trajectory_len = (
-            prompt_tokens + completion_tokens
-            if prompt_tokens is not None and completion_tokens is not None
-            else None
+            prompt_tokens + completion_tokens if prompt_tokens is not None and completion_tokens is not None else None
         )
         outputs.append(text)
         turn_records.append(

@@ -56,9 +56,7 @@ def _latest_per_agent(turns: Sequence[Turn], agents: Sequence[str]) -> Tuple[int
     return tuple(sorted(latest.values()))
 
 
-def build_schedule(
-    topology: str, task_agents: Sequence[str], final_agent: str, num_rounds: int = 2
-) -> List[Turn]:
+def build_schedule(topology: str, task_agents: Sequence[str], final_agent: str, num_rounds: int = 2) -> List[Turn]:
     """Turns of ``topology`` (see module docstring); the last turn is always ``final_agent``.
     ``num_rounds`` is used by ``loop`` only."""
     task_agents = list(task_agents)
@@ -88,10 +86,7 @@ def build_schedule(
 
 
 def build_segments(
-    role: Role,
-    question: str,
-    read_outputs: Sequence[Tuple[str, str, str]],
-    chat_format: ChatFormat = CHATML,
+    role: Role, question: str, read_outputs: Sequence[Tuple[str, str, str]], chat_format: ChatFormat = CHATML
 ) -> List[Dict[str, Any]]:
     """The agent's trajectory as protocol segments.
 
@@ -102,8 +97,7 @@ def build_segments(
     are passed through byte-exact.
     """
     segments: List[Dict[str, Any]] = [
-        {"text": chat_format.system_open + role.system_prompt + chat_format.user_open,
-         "shared": False},
+        {"text": chat_format.system_open + role.system_prompt + chat_format.user_open, "shared": False},
         {"text": question, "shared": True, "slot": QUESTION_SLOT},
     ]
     seen_slots = {QUESTION_SLOT}
@@ -136,13 +130,7 @@ def build_payload(
     method, variant = method_variant(method)
     payload: Dict[str, Any] = {
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature},
-        "kvshare": {
-            "workflow": workflow_id,
-            "agent": role.name,
-            "method": method,
-            "segments": segments,
-            **variant,
-        },
+        "kvshare": {"workflow": workflow_id, "agent": role.name, "method": method, "segments": segments, **variant},
     }
     if role.lora_path is not None:
         payload["lora_path"] = role.lora_path

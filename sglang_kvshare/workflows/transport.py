@@ -41,9 +41,7 @@ def http_sender(base_url: str, timeout: float = 600.0) -> SendFn:
     def send(payload: Dict[str, Any]) -> Dict[str, Any]:
         response = session.post(url, json=payload, headers=routing_headers(payload), timeout=timeout)
         if response.status_code != 200:
-            raise ServerError(
-                f"POST {url} -> HTTP {response.status_code}: {_error_message(response)}"
-            )
+            raise ServerError(f"POST {url} -> HTTP {response.status_code}: {_error_message(response)}")
         return response.json()
 
     return send

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from sglang_kvshare.segments.token_index import Entry, TokenIndex, merge_short, prompt_labels, seed_len
+from sglang_kvshare.segments.labels import merge_short, prompt_labels
+from sglang_kvshare.segments.token_index import Entry, TokenIndex, seed_len
 
 rng = random.Random(0)
 

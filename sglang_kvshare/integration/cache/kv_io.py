@@ -33,7 +33,9 @@ def kv_layers(pool):
         yield pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
 
 
-def stack_kv(pool, idx: torch.Tensor, dim: int = 1, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_kv(
+    pool, idx: torch.Tensor, dim: int = 1, dtype: Optional[torch.dtype] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of slots ``idx`` in every layer, stacked along ``dim`` (1: ``[n, L, H, D]``,
     0: ``[L, n, H, D]``), in ``dtype`` (default: the pool's). Each layer's rows are written
     straight into the result (converted on the way), not stacked from per-layer copies."""
@@ -78,8 +80,9 @@ def _moved(keys: torch.Tensor, delta: int, rope: RopeSpec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSpec, views=None,
-                   agent: Optional[str] = None):
+def gather_aligned(
+    pool, src: torch.Tensor, start: int, delta: int, rope: RopeSpec, views=None, agent: Optional[str] = None
+):
     """K/V of slots ``src`` (a segment at ``start``, as ``agent`` reads it) in every layer, keys
     moved ``delta`` positions (one RoPE rotation for all layers at once; ``views``' rows first
     brought to ``start + i``, the agent's KV leaves added): (k, v) each
@@ -92,8 +95,9 @@ def gather_aligned(pool, src: torch.Tensor, start: int, delta: int, rope: RopeSp
 
 
 @torch.no_grad()
-def gather_canonical(pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None,
-                     agent: Optional[str] = None) -> SegmentKV:
+def gather_canonical(
+    pool, idx: torch.Tensor, start: int, rope: RopeSpec, views=None, agent: Optional[str] = None
+) -> SegmentKV:
     """K/V of slots ``idx`` (a segment that starts at ``start``, as ``agent`` reads it: with its
     KV leaves) as float32 [L, n, H*D], keys at 0 (float32 so that the rotation, the correction
     and the write each round once, in place)."""
@@ -131,8 +135,10 @@ def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: Ro
 
 def kv_bytes_per_token(pool) -> int:
     """K + V bytes one token takes in the KV pool (all layers)."""
-    return sum(k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
-               for k, v in kv_layers(pool))
+    return sum(
+        k.shape[1] * k.shape[2] * k.element_size() + v.shape[1] * v.shape[2] * v.element_size()
+        for k, v in kv_layers(pool)
+    )
 
 
 def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:
@@ -156,9 +162,7 @@ def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
         last = scheduler.req_to_token_pool.req_to_token[row, start - 1].reshape(1).to(torch.int64)
         prefix = torch.tensor([start], dtype=torch.int64)
         seq = torch.tensor([start + n], dtype=torch.int64)
-        return alloc_paged_token_slots_extend(
-            tree, prefix.to(device), prefix, seq.to(device), seq, last, n
-        )
+        return alloc_paged_token_slots_extend(tree, prefix.to(device), prefix, seq.to(device), seq, last, n)
     except RuntimeError as e:  # out of KV memory: the segment is computed instead
         logger.warning("kvshare: no KV slots for injection (%s); computing instead", e)
         return None

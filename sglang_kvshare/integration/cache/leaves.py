@@ -130,8 +130,17 @@ class KVLeaves:
         found = [self.leaves[i] for i in held.tolist()]
         return KeyLeaf(pos, which, self.rows[agent][slots[pos]], tuple(f.k for f in found), tuple(f.v for f in found))
 
-    def add_to(self, agent: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dim: int = 0,
-               key_shift: int = 0, rope: Optional[RopeSpec] = None, head_dim: Optional[int] = None) -> bool:
+    def add_to(
+        self,
+        agent: str,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dim: int = 0,
+        key_shift: int = 0,
+        rope: Optional[RopeSpec] = None,
+        head_dim: Optional[int] = None,
+    ) -> bool:
         """Add ``agent``'s leaves on ``slots`` [n] to float32 k, v gathered from them (``[L, n,
         H, D]`` or ``[L, n, H * D]`` with ``dim=0``, ``[n, L, H, D]`` with ``dim=1``), in place;
         the keys' leaves turned by ``key_shift`` positions first (``rope``; ``head_dim`` for
@@ -175,8 +184,9 @@ def uniform_offset(rope_pos: torch.Tensor, start: int) -> Optional[int]:
 
 
 @torch.no_grad()
-def leaf_factors(delta_k: torch.Tensor, delta_v: torch.Tensor, p0: int, rank: int, rope: RopeSpec,
-                 head_dim: int, dtype: torch.dtype) -> tuple[LowRank, LowRank]:
+def leaf_factors(
+    delta_k: torch.Tensor, delta_v: torch.Tensor, p0: int, rank: int, rope: RopeSpec, head_dim: int, dtype: torch.dtype
+) -> tuple[LowRank, LowRank]:
     """Rank-``rank`` leaves (randomized truncated SVD per layer) of a canonical correction ``delta_k``,
     ``delta_v`` [L, n, H*D] (float32, keys RoPE'd at 0 .. n-1) for rows whose keys carry RoPE at
     ``p0 + t``: the key factor's rows turned by ``p0`` (one orthogonal map: rank and error as in

@@ -143,8 +143,13 @@ class KVShareRadixCache(RadixCache):
                 k, v = self.session.views.add_leaves(k, v, idx, st.spec.agent, dim=0)
                 k = self.session.views.align_keys(k, idx, start, self.session.rope, dim=0)
             k, v = k.float(), v.float()
-            record = {"k": k, "v": v, "start": start, "token_ids": list(req.full_untruncated_fill_ids[start:end]),
-                      "meta": dict(st.meta)}
+            record = {
+                "k": k,
+                "v": v,
+                "start": start,
+                "token_ids": list(req.full_untruncated_fill_ids[start:end]),
+                "meta": dict(st.meta),
+            }
             if lr is not None:
                 record.update(lr.dump_rows(idx))
             torch.save(record, out_dir / f"{_safe(slot)}.pt")
@@ -159,9 +164,7 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
     if ctx.disable_radix_cache:
         raise ValueError("--radix-cache-backend kvshare needs the radix cache enabled")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
-        raise ValueError(
-            "--radix-cache-backend kvshare supports full-attention models without hierarchical cache"
-        )
+        raise ValueError("--radix-cache-backend kvshare supports full-attention models without hierarchical cache")
     tree = session.tree = KVShareRadixCache(ctx.params, session, released)
     allocator = ctx.params.token_to_kv_pool_allocator
     why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")

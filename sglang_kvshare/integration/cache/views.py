@@ -92,8 +92,7 @@ class KVViews:
         st.view_tokens += slots.numel()
         return slots
 
-    def add_leaves(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, agent: Optional[str],
-                   dim: int):
+    def add_leaves(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, agent: Optional[str], dim: int):
         """Keys and values gathered from ``slots`` (``[L, n, H, D]`` with ``dim=0``, or
         ``[n, L, H, D]``) as ``agent`` reads them: its leaves added (keys in the slots' RoPE
         frame, before ``align_keys``): added in place to float32 inputs (the callers' gathered
@@ -152,8 +151,7 @@ class KVViews:
         shifts = torch.where(set_, at - pos, torch.zeros_like(pos))
         return shifts if bool(shifts.any()) else None
 
-    def align_keys(self, keys: torch.Tensor, slots: torch.Tensor, start: int, rope: RopeSpec,
-                   dim: int) -> torch.Tensor:
+    def align_keys(self, keys: torch.Tensor, slots: torch.Tensor, start: int, rope: RopeSpec, dim: int) -> torch.Tensor:
         """Keys gathered from ``slots`` (``[n, L, H, D]``, or ``[L, n, H, D]`` with ``dim=0``: the
         layer axis, as ``kv_io.stack_kv``) as
         if each was rotated for its position ``start + i``: view rows re-rotated, others as read."""
@@ -166,8 +164,9 @@ class KVViews:
         return moved.movedim(0, 1 - dim)
 
     def stats(self) -> dict:
-        return {"shared_slot_refs": self.extra_total, "view_slots": self.marked,
-                "double_frees": self.double_frees} | ({} if self.leaves is None else self.leaves.stats())
+        return {"shared_slot_refs": self.extra_total, "view_slots": self.marked, "double_frees": self.double_frees} | (
+            {} if self.leaves is None else self.leaves.stats()
+        )
 
 
 def views_unsupported(model_runner, session):

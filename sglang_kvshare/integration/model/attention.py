@@ -1,22 +1,17 @@
 """``kvshare_torch``: SGLang's torch-native attention with an extend that costs O(new x context).
 
-The stock torch-native extend pads each request's queries to its whole sequence, so an extend of
-a few tokens after a long (cached or injected) prefix costs as much as attending the whole
-sequence to itself. Here the new queries alone attend to the prefix (its long runs in place) and
-causally to themselves (``kernels.offset_attention``). A decode of a batch that takes part in
-sharing attends each request's long runs of KV slots in place (``kernels.split_decode``); a plain
-batch's decode (``ForwardState.shared`` False) and every other case stay stock. A request that
-reads KV views (``cache/views.py``: keys rotated for other positions) is attended the same way,
-long runs of one RoPE offset with the query turned back, the other keys turned forward; one
-with KV leaves (``cache/leaves.py``) gathers the leaf rows and adds their correction per layer
-(``model/request_keys.py`` plans each request's keys).
+Stock pads each request's extend queries to its whole sequence; here the new queries attend the
+prefix in place (its long runs) and causally themselves (``kernels.offset_attention``). A decode
+of a batch that takes part in sharing attends each request's long runs of KV slots in place
+(``kernels.split_decode``); a plain batch (``ForwardState.shared`` False) decodes as stock does.
+Keys that are KV views (``cache/views.py``, rotated for other positions) or KV leaves
+(``cache/leaves.py``, a low-rank correction per layer) are planned per request by
+``model/request_keys.py``. During selective recomputation (``recompute_layer.py``) a layer may run
+a subset of the extend's rows, whose queries attend by position (``_forward_rows``).
 
-During selective recomputation (``recompute_layer.py``) a decoder layer may run a subset of the
-extend's rows; their queries then attend by position (``_forward_rows``).
-
-With ``--kvshare-lr-cache`` the backend also owns PReCache's LR pool (``lr_pool.py``): it writes base K/V as stock and attends with
-``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and decode; with a key LR cache
-(k_proj adapters) agent j's keys are ``K_base + RoPE(LR^K_j B^K_j)``.
+With ``--kvshare-lr-cache`` the backend owns PReCache's LR pool (``lr_pool.py``): it writes base
+K/V as stock and attends with ``P V_base + (P LR_j) B_j`` (Flash-LoRA-Attention), extend and
+decode; with a key LR cache (k_proj adapters) agent j's keys are ``K_base + RoPE(LR^K_j B^K_j)``.
 """
 
 from __future__ import annotations
@@ -28,25 +23,22 @@ from sglang.srt.layers.attention.attention_registry import register_attention_ba
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.server_args import add_attention_backend_choices
-from torch.nn.functional import scaled_dot_product_attention
 
 from sglang_kvshare.integration.cache.views import views_unsupported
 from sglang_kvshare.integration.model.lr_pool import LRCache, paged_indices
 from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_paged
 from sglang_kvshare.integration.model.request_keys import RequestKeys
-from sglang_kvshare.kernels.offset_attention import KeyPlan, offset_decode_attention, offset_extend_attention
+from sglang_kvshare.kernels.offset_attention import (
+    KeyPlan,
+    offset_decode_attention,
+    offset_extend_attention,
+    slot_attention,
+)
 from sglang_kvshare.kernels.split_decode import split_decode_attention
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kvshare_torch"
-
-
-def prefix_causal_mask(q_len: int, prefix_len: int, device) -> torch.Tensor:
-    """[q_len, prefix_len + q_len] bool: query i sees keys 0 .. prefix_len + i."""
-    q_pos = torch.arange(prefix_len, prefix_len + q_len, device=device)[:, None]
-    k_pos = torch.arange(prefix_len + q_len, device=device)[None, :]
-    return k_pos <= q_pos
 
 
 class KVShareTorchAttnBackend(TorchNativeAttnBackend):
@@ -87,15 +79,13 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
                 return self._forward_rows(q, k, v, layer, forward_batch, save_kv_cache, rows, parts, plan)
         if not self._lr_layer(layer):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
-                                forward_batch.extend_seq_lens_cpu)
+        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache, forward_batch.extend_seq_lens_cpu)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         self.layer_id = layer.layer_id
         if not self._lr_layer(layer):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache,
-                                [1] * forward_batch.batch_size)
+        return self._forward_lr(q, k, v, layer, forward_batch, save_kv_cache, [1] * forward_batch.batch_size)
 
     def _forward_rows(self, q, k, v, layer, forward_batch, save_kv_cache, rows, parts, plan):
         """Extend attention of a subset of the batch's rows (selective recomputation): each
@@ -105,7 +95,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         if save_kv_cache and k is not None and v is not None:
             loc = forward_batch.out_cache_loc[dev_rows]
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(loc, None), k, v)
-        heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
+        heads, v_dim, scale = layer.tp_q_head_num, layer.v_head_dim, layer.scaling
         q_ = q.reshape(-1, heads, layer.qk_head_dim)
         out = q.new_empty(q_.shape[0], heads, v_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
@@ -119,17 +109,12 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             # the keys before the first row in place
             shifts, leaf = self.keys.read(i, slots, own_positions=k_cache.dtype == q.dtype)
             if shifts is not None:
-                out[sel] = offset_extend_attention(q_[sel], k_cache, v_cache, slots, shifts, q_pos, layer.scaling,
-                                                   self.keys.rope(), leaf=leaf, layer=layer.layer_id)
+                rope = self.keys.rope()
+                out[sel] = offset_extend_attention(
+                    q_[sel], k_cache, v_cache, slots, shifts, q_pos, scale, rope, leaf=leaf, layer=layer.layer_id
+                )
                 continue
-            keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
-            values = v_cache[slots].transpose(0, 1).to(q.dtype)
-            mask = torch.arange(prefix + n, device=q.device)[None, :] <= q_pos[:, None]
-            o = scaled_dot_product_attention(
-                q_[sel].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=mask, scale=layer.scaling, enable_gqa=heads != layer.tp_k_head_num,
-            )
-            out[sel] = o.squeeze(0).transpose(0, 1)
+            out[sel] = slot_attention(q_[sel], k_cache, v_cache, slots, q_pos, scale, heads != layer.tp_k_head_num)
         return out.reshape(-1, heads * v_dim)
 
     def _lr_layer(self, layer) -> bool:
@@ -149,17 +134,24 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         fwd = self.session.forward_of(forward_batch)
         if fwd.paged is None:
             fwd.paged = paged_indices(
-                self.req_to_token_pool.req_to_token, forward_batch.req_pool_indices,
-                forward_batch.seq_lens, [int(n) for n in q_lens],
+                self.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                [int(n) for n in q_lens],
             )
         kv_indices, qo_indptr, kv_indptr = fwd.paged
         o = flash_lora_attention_paged(
             q_,
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
-            kv_indices, qo_indptr, kv_indptr,
-            self.lr.buffers[layer.layer_id], self.lr.B_v[layer.layer_id],
-            fwd.lr_columns.to(q.device), layer.scaling, True,
+            kv_indices,
+            qo_indptr,
+            kv_indptr,
+            self.lr.buffers[layer.layer_id],
+            self.lr.B_v[layer.layer_id],
+            fwd.lr_columns.to(q.device),
+            layer.scaling,
+            True,
             key_lr=self.lr.key_lr_of(layer.layer_id),
         )
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -180,33 +172,49 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         is_cross_attn=False,
         sliding_window_size=None,
     ):
-        if (encoder_lens is not None or causal or is_cross_attn or query.device.type != "cpu"
-                or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype
-                or (sliding_window_size is not None and sliding_window_size > -1)):
-            return super()._run_sdpa_forward_decode(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
-            )
         # query/output: [bs, H, D]; the slot runs are the same in every layer of the forward
         fwd = self.session.forward
-        if fwd is None or fwd.batch.seq_lens is not seq_lens:
+        if fwd is not None and fwd.batch.seq_lens is not seq_lens:
             fwd = None  # not the forward the backend began: plan without keeping it
-        elif not fwd.shared:  # a plain batch decodes as stock does (gathering its slots)
+        if (
+            (fwd is not None and not fwd.shared)  # a plain batch decodes as stock does (gathering its slots)
+            or encoder_lens is not None
+            or causal
+            or is_cross_attn
+            or query.device.type != "cpu"
+            or k_cache.dtype != query.dtype
+            or v_cache.dtype != query.dtype
+            or (sliding_window_size is not None and sliding_window_size > -1)
+        ):
             return super()._run_sdpa_forward_decode(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                encoder_lens,
+                scaling,
+                enable_gqa,
+                causal,
+                is_cross_attn,
+                sliding_window_size,
             )
         runs = None if fwd is None else fwd.decode_runs
         if runs is None:
-            runs = [self.keys.decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
-                    for i, n in enumerate(seq_lens.tolist())]
+            runs = [
+                self.keys.decode_parts(i, req_to_token[req_pool_indices[i], : int(n)], seq_lens)
+                for i, n in enumerate(seq_lens.tolist())
+            ]
             if fwd is not None:
                 fwd.decode_runs = runs
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         for i, parts in enumerate(runs):
             if isinstance(parts, KeyPlan):  # the request reads KV views
-                output[i] = offset_decode_attention(query[i], k_cache, v_cache, parts, scale, self.keys.rope(),
-                                                    self.layer_id)
+                output[i] = offset_decode_attention(
+                    query[i], k_cache, v_cache, parts, scale, self.keys.rope(), self.layer_id
+                )
             else:
                 output[i] = split_decode_attention(query[i], k_cache, v_cache, parts, scale)
         return output
@@ -229,13 +237,23 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         is_cross_attn=False,
         sliding_window_size=None,
     ):
-        if encoder_lens is not None or not causal or (
-            sliding_window_size is not None and sliding_window_size > -1
-        ):
+        if encoder_lens is not None or not causal or (sliding_window_size is not None and sliding_window_size > -1):
             return super()._run_sdpa_forward_extend(
-                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
-                is_cross_attn, sliding_window_size,
+                query,
+                output,
+                k_cache,
+                v_cache,
+                req_to_token,
+                req_pool_indices,
+                seq_lens,
+                extend_prefix_lens,
+                extend_seq_lens,
+                encoder_lens,
+                scaling,
+                enable_gqa,
+                causal,
+                is_cross_attn,
+                sliding_window_size,
             )
         # query/output: [T, H, D]; caches: [rows, H_kv, D]
         start_q = 0
@@ -248,21 +266,24 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
             shifts, leaf = self.keys.read(i, tokens, seq_lens, prefix_len > 0 and k_cache.dtype == query.dtype)
             if shifts is not None:  # KV views (keys rotated for other positions), leaves
                 output[start_q : start_q + q_len] = offset_extend_attention(
-                    query[start_q : start_q + q_len], k_cache, v_cache, tokens, shifts,
+                    query[start_q : start_q + q_len],
+                    k_cache,
+                    v_cache,
+                    tokens,
+                    shifts,
                     torch.arange(prefix_len, prefix_len + q_len, device=query.device),
-                    query.shape[-1] ** -0.5 if scaling is None else scaling, self.keys.rope(),
+                    query.shape[-1] ** -0.5 if scaling is None else scaling,
+                    self.keys.rope(),
                     self.keys.prefix_plan(i, tokens[:prefix_len], shifts[:prefix_len], leaf, seq_lens),
-                    leaf, self.layer_id,
+                    leaf,
+                    self.layer_id,
                 )
                 start_q += q_len
                 continue
-            q = query[start_q : start_q + q_len].transpose(0, 1)  # [H, q, D]
-            k = k_cache[tokens].transpose(0, 1).to(q.dtype)  # [H_kv, kv, D]
-            v = v_cache[tokens].transpose(0, 1).to(q.dtype)
-            mask = None if prefix_len == 0 else prefix_causal_mask(q_len, prefix_len, q.device)
-            out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                               is_causal=prefix_len == 0, scale=scaling, enable_gqa=enable_gqa)
-            output[start_q : start_q + q_len] = out.squeeze(0).transpose(0, 1)
+            q_pos = None if prefix_len == 0 else torch.arange(prefix_len, kv_len, device=query.device)
+            output[start_q : start_q + q_len] = slot_attention(
+                query[start_q : start_q + q_len], k_cache, v_cache, tokens, q_pos, scaling, enable_gqa
+            )
             start_q += q_len
         return output
 

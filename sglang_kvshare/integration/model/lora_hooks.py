@@ -45,8 +45,12 @@ def fetch_new_loras(ses, original, manager, new_loras, running_loras=set()):
         if len(every) <= lr.n_slots:
             new_loras = every
         else:  # an adapter loaded at run time beyond the slots: its LR column is not kept
-            logger.warning("kvshare LR cache: %d adapters do not fit %d slots; LR columns of "
-                           "non-resident adapters are not written", len(every) - 1, lr.n_slots)
+            logger.warning(
+                "kvshare LR cache: %d adapters do not fit %d slots; LR columns of "
+                "non-resident adapters are not written",
+                len(every) - 1,
+                lr.n_slots,
+            )
     return original(manager, new_loras, running_loras)
 
 
@@ -58,8 +62,10 @@ def init_lora_manager(ses, original, runner, *args, **kwargs):
     return out
 
 
-@HOOKS.around("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-              ("self", "kvc", "num_layers"))
+@HOOKS.around(
+    "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    ("self", "kvc", "num_layers"),
+)
 def compute_cell_size(ses, original, configurator, kvc, num_layers, *args, **kwargs):
     cell = original(configurator, kvc, num_layers, *args, **kwargs)
     manager = ses.lora_manager

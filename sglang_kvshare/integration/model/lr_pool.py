@@ -69,8 +69,11 @@ class LRCache:
                 self.buffer(layer, lm.max_lora_rank, self.key_buffers)
         self.rope = session.rope_of(model_runner) if self.key_lr else None
         head_dim = self.kv_pool.get_key_buffer(0).shape[-1]
-        if self.key_lr and model_runner.device == "cuda" and not (
-                self.rope.is_neox and self.rope.rotary_dim == head_dim):
+        if (
+            self.key_lr
+            and model_runner.device == "cuda"
+            and not (self.rope.is_neox and self.rope.rotary_dim == head_dim)
+        ):
             raise ValueError("the key LR cache's Triton kernel needs neox RoPE over the whole head")
 
     def check_adapters(self) -> None:
@@ -128,9 +131,11 @@ class LRCache:
         SGLang's pool sizing counted (K+V, every column and that room)."""
         elem = self.kv_pool.get_value_buffer(0).element_size()
         per_agent = lr_bytes_per_token(self.manager, len(self.layer_of), elem)
-        out = {"kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
-               "lr_bytes_per_token_per_agent": per_agent,
-               "lp_stash_bytes_per_token": lp_stash_bytes(self.session.args.lp_stash_columns, per_agent)}
+        out = {
+            "kv_bytes_per_token": kv_bytes_per_token(self.kv_pool),
+            "lr_bytes_per_token_per_agent": per_agent,
+            "lp_stash_bytes_per_token": lp_stash_bytes(self.session.args.lp_stash_columns, per_agent),
+        }
         cell = self.session.lr_pool_cell_bytes
         if cell is not None:
             out["pool_cell_bytes_per_token"] = cell
@@ -148,8 +153,12 @@ class LRCache:
         B_q = B.clone()
         B_q[:, (off[1] if key else off[2]) : off[3]] = 0
         out = mod.lora_backend.run_qkv_lora(
-            x=x, qkv_lora_a=A, qkv_lora_b=B_q, base_output=base_output,
-            output_offset=mod.output_offset, output_offset_cpu=mod.output_offset_cpu,
+            x=x,
+            qkv_lora_a=A,
+            qkv_lora_b=B_q,
+            base_output=base_output,
+            output_offset=mod.output_offset,
+            output_offset_cpu=mod.output_offset_cpu,
             max_qkv_out_dim=mod.max_qkv_out_dim,
         )
         max_r = A.shape[1] // 3
@@ -199,7 +208,8 @@ class LRCache:
         refs = self.manager.lora_refs
         out["lr_columns"] = {
             str(getattr(refs.get(uid), "lora_name", None) or uid): col
-            for uid, col in self.manager.memory_pool.uid_to_buffer_id.items() if uid is not None
+            for uid, col in self.manager.memory_pool.uid_to_buffer_id.items()
+            if uid is not None
         }
         return out
 

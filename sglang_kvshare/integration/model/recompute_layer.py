@@ -148,7 +148,7 @@ class BatchPlan:
         loc = fb.out_cache_loc[p.rows].to(torch.int64)
         m = len(p.rows)
         check = range(CHECK_LAYERS)
-        reused = tuple(t[: CHECK_LAYERS, p.tok].reshape(CHECK_LAYERS, m, -1).float() for t in (p.job.k, p.job.v))
+        reused = tuple(t[:CHECK_LAYERS, p.tok].reshape(CHECK_LAYERS, m, -1).float() for t in (p.job.k, p.job.v))
         fresh = tuple(
             torch.stack([buf(layer)[loc].reshape(m, -1).float() for layer in check])
             for buf in (pool.get_key_buffer, pool.get_value_buffer)
@@ -163,8 +163,7 @@ class BatchPlan:
             dev = token_deviation((reused[0][last], reused[1][last]), (fresh[0][last], fresh[1][last]))
             att = self.suffix_attention(p, fb, last)
             plan = get_selector("relaycaching").plan(
-                p.job.ratio,
-                SelectionInputs(num_layers, m, token_deviation=dev, attention_mass=att),
+                p.job.ratio, SelectionInputs(num_layers, m, token_deviation=dev, attention_mass=att)
             )
         p.exec = p.exec | plan.mask.to(p.exec.device)
         p.job.layer_groups = plan.layer_groups
@@ -267,8 +266,13 @@ class BatchPlan:
         indptr[1:] = torch.cumsum(counts, 0)
         dev = info.seg_lens.device
         return dataclasses.replace(
-            info, seg_lens=counts.to(dev), seg_indptr=indptr.to(dev), max_len=int(counts.max()),
-            expected_tokens=num_rows, seg_lens_cpu=counts, seg_indptr_cpu=indptr,
+            info,
+            seg_lens=counts.to(dev),
+            seg_indptr=indptr.to(dev),
+            max_len=int(counts.max()),
+            expected_tokens=num_rows,
+            seg_lens_cpu=counts,
+            seg_indptr_cpu=indptr,
         )
 
     def finish(self) -> None:
@@ -281,7 +285,9 @@ class BatchPlan:
             st.refresh_meta()
 
 
-@HOOKS.around("sglang.srt.models.llama.LlamaDecoderLayer.forward", ("self", "positions", "hidden_states", "forward_batch"))
+@HOOKS.around(
+    "sglang.srt.models.llama.LlamaDecoderLayer.forward", ("self", "positions", "hidden_states", "forward_batch")
+)
 def decoder_layer_forward(ses, original, layer, positions, hidden_states, forward_batch, *args, **kwargs):
     fwd = ses.forward_of(forward_batch)
     if not fwd.shared:

@@ -59,8 +59,9 @@ class AnchorPoolFile:
             return False
         if self._thread is not None:
             self._thread.join()
-        snapshot = {name: _Snapshot(c.state_dict()) for name, c in self.ctx._correctors.items()
-                    if hasattr(c, "state_dict")}
+        snapshot = {
+            name: _Snapshot(c.state_dict()) for name, c in self.ctx._correctors.items() if hasattr(c, "state_dict")
+        }
         head, path = self.header(), self.path
         self.saved_version = self.ctx.anchor_version()
         self.last_save = time.monotonic()
@@ -103,13 +104,18 @@ class AnchorPoolFile:
 
     def stats(self) -> Dict[str, Any]:
         """Saves so far and what was loaded (``/server_info``)."""
-        return {"anchor_pool_saves": self.num_saves,
-                "anchor_pool_loaded": {"path": self.loaded_from, "anchors": self.num_loaded}}
+        return {
+            "anchor_pool_saves": self.num_saves,
+            "anchor_pool_loaded": {"path": self.loaded_from, "anchors": self.num_loaded},
+        }
 
     def maybe_save(self) -> None:
         """Periodic save: when the interval passed and anchors changed since the last save."""
-        if self.path and time.monotonic() - self.last_save >= self.interval \
-                and self.ctx.anchor_version() != self.saved_version:
+        if (
+            self.path
+            and time.monotonic() - self.last_save >= self.interval
+            and self.ctx.anchor_version() != self.saved_version
+        ):
             self.save(wait=False)
 
 

@@ -83,7 +83,16 @@ def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: in
 
 
 def correct_segment(
-    ses, scheduler, req, st, index: int, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec, corrector,
+    ses,
+    scheduler,
+    req,
+    st,
+    index: int,
+    span: Span,
+    rec: SourceRecord,
+    num_tokens: int,
+    rope: RopeSpec,
+    corrector,
     fused: Optional[bool] = None,
 ) -> Optional[InjectResult]:
     """Correct and inject ``num_tokens`` of ``span``; None when the segment is to be computed.
@@ -105,14 +114,23 @@ def correct_segment(
             if ref is None:
                 return None
         source = gather_canonical(pool, src, rec.start, rope, ses.views, rec.agent)
-        reference = (gather_canonical(pool, ref, ref_rec.start, rope, ses.views, ref_rec.agent)
-                     if ref is not None else None)
+        reference = (
+            gather_canonical(pool, ref, ref_rec.start, rope, ses.views, ref_rec.agent) if ref is not None else None
+        )
         if fused is None:
             fused = src.is_cuda
         controller = ses.tau_controller(st.method.corrector, st.spec.target_rho)
         tau = st.spec.tau if st.spec.tau is not None else controller.tau()
-        result = corrector.correct(span.slot, rec.agent, st.spec.agent, source, reference,
-                                   materialize=False, tau=tau, block_size=ses.gate_block(st.spec))
+        result = corrector.correct(
+            span.slot,
+            rec.agent,
+            st.spec.agent,
+            source,
+            reference,
+            materialize=False,
+            tau=tau,
+            block_size=ses.gate_block(st.spec),
+        )
         if result.entropy is not None:
             controller.observe_gate(result.entropy, num_tokens)
         record = {
@@ -137,8 +155,12 @@ def correct_segment(
                 _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool)
                 return None
             record["rows_fallback"] = unsupported_reason  # the segment is prefilled densely instead
-        shadow = (result.accepted and not rejected and ses.args.shadow_fraction > 0
-                  and ses.rng.random() < ses.args.shadow_fraction)
+        shadow = (
+            result.accepted
+            and not rejected
+            and ses.args.shadow_fraction > 0
+            and ses.rng.random() < ses.args.shadow_fraction
+        )
         if not result.accepted or shadow or rejected:
             corrected = None
             if shadow:
@@ -152,14 +174,20 @@ def correct_segment(
             if viewed is not None:
                 return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=viewed)
         # rows past the corrected ones are the source's, unchanged: read in place (KV views)
-        in_place = (num_tokens - k if not fused and viewable(ses.views, st.spec, num_tokens - k)
-                    and ses.views.readable(rec.agent, st.spec, src[k:num_tokens]) else 0)
+        in_place = (
+            num_tokens - k
+            if not fused
+            and viewable(ses.views, st.spec, num_tokens - k)
+            and ses.views.readable(rec.agent, st.spec, src[k:num_tokens])
+            else 0
+        )
         dst = alloc_slots(scheduler, req, span.start, num_tokens - in_place)
         if dst is None:
             return None
         if in_place:
-            viewed = ses.views.read_in_place(st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens),
-                                             rec.agent)
+            viewed = ses.views.read_in_place(
+                st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens), rec.agent
+            )
             dst = torch.cat([dst.to(viewed.dtype), viewed])
         if fused:
             base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
@@ -216,8 +244,9 @@ def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_to
     segment) then runs about as often per recomputed row as under the dense fallback."""
     kv = apply_delta(reference or source, source, result.delta, result.corrected_len)
     head_dim = next(kv_layers(pool))[0].shape[-1]
-    job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows,
-                   rope, head_dim)
+    job = rows_job(
+        span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows, rope, head_dim
+    )
     recomputed = sum(hi - lo for lo, hi in result.rejected_rows)
     st.corrections[index]["recomputed_rows"] = recomputed
     st.jobs[index] = job

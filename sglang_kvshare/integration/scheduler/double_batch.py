@@ -136,8 +136,9 @@ def force_sampled_tokens(ses, batch, result) -> None:
         force_twin_tokens(ses, reqs, result.next_token_ids, decoding)
 
 
-@HOOKS.around("sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output",
-              ("self", "reqs"))
+@HOOKS.around(
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output", ("self", "reqs")
+)
 def stream_output(ses, original, streamer, reqs, *args, **kwargs):
     twins = ses.twins
     if not any(twins.paired(r) for r in reqs):

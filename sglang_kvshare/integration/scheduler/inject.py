@@ -38,8 +38,9 @@ def injectable_len(req, span: Span, rec: SourceRecord) -> int:
     return common_prefix(rec.token_ids[rec.start : rec.end], fill[span.start : span.start + limit])
 
 
-def inject_segment(ses, scheduler, req, span: Span, rec: SourceRecord, num_tokens: int,
-                   rope: RopeSpec) -> Optional[InjectResult]:
+def inject_segment(
+    ses, scheduler, req, span: Span, rec: SourceRecord, num_tokens: int, rope: RopeSpec
+) -> Optional[InjectResult]:
     """Up to ``num_tokens`` of ``rec``'s cached K/V for ``span``: a view of the source's slots
     (``views.viewable``), or a copy (keys re-aligned) in new
     slots; None (nothing changed) when the source is gone or no KV slots can be had."""

@@ -86,8 +86,9 @@ def keep_own_columns(ses, batch) -> None:
         span = None if own_p is None or own_t is None else own_span(own_p, own_t, since=since)
         if span is not None:
             lo, hi = span
-            lr.copy_column(_rows(req_to_token, primary, lo, hi), _rows(req_to_token, twin, lo, hi),
-                           lr.column_of(primary.lora_id))
+            lr.copy_column(
+                _rows(req_to_token, primary, lo, hi), _rows(req_to_token, twin, lo, hi), lr.column_of(primary.lora_id)
+            )
 
 
 @torch.no_grad()
@@ -106,8 +107,12 @@ def keep_for_rebuild(ses, tree, req, st) -> None:
     try:
         ses.own_columns[req.rid] = kept
     except ValueError:  # larger than the whole bound
-        logger.warning("rebase_shared_lp: the own LR column of %s (%d bytes) is not kept; its rebuild "
-                       "writes that column from adapter-free states", req.rid, kept.nbytes())
+        logger.warning(
+            "rebase_shared_lp: the own LR column of %s (%d bytes) is not kept; its rebuild "
+            "writes that column from adapter-free states",
+            req.rid,
+            kept.nbytes(),
+        )
 
 
 def drop_kept(ses, st) -> None:

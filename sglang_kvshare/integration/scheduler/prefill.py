@@ -44,8 +44,11 @@ def max_prefix_len(ses, original, req, input_len):
     return limit
 
 
-@HOOKS.around("sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission", ("self", "req"),
-              reads=("has_chunked_req",))
+@HOOKS.around(
+    "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission",
+    ("self", "req"),
+    reads=("has_chunked_req",),
+)
 def select_admission(ses, original, adder, req, **kwargs):
     admission = original(adder, req, **kwargs)
     if not isinstance(admission, _PrefillAdmission):
@@ -65,9 +68,7 @@ def select_admission(ses, original, adder, req, **kwargs):
     if kwargs.get("has_chunked_req"):
         return AddReqResult.OTHER  # one chunked request at a time: wait for the next pass
     ses.cut_adder = adder
-    return _PrefillAdmission(
-        admission.prefix_len, cut - admission.prefix_len, 0, True, admission.replay_len
-    )
+    return _PrefillAdmission(admission.prefix_len, cut - admission.prefix_len, 0, True, admission.replay_len)
 
 
 @HOOKS.around("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", ("self", "req"))

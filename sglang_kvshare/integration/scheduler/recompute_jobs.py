@@ -68,9 +68,7 @@ def start_job(ses, scheduler, req, st, span, rec, n: int, rope: RopeSpec, ratio:
     plan = None
     if st.method.selector == "droidspeak":
         prof = ses.profile(ses.args.droidspeak_profile, num_layers)
-        plan = get_selector("droidspeak", profile=prof).plan(
-            ratio, SelectionInputs(num_layers=num_layers, seg_len=n)
-        )
+        plan = get_selector("droidspeak", profile=prof).plan(ratio, SelectionInputs(num_layers=num_layers, seg_len=n))
         if plan.is_dense:
             return None, "dense"
     needs_hidden = st.method.selector == "relaycaching" or (
@@ -100,8 +98,7 @@ def plan_segment(ses, scheduler, req, st, index: int, span, rec, n: int, rope: R
     ratio = recompute_ratio(st.spec.recompute_ratio, ses.args.recompute_ratio, req.lora_id is not None)
     num_layers = scheduler.token_to_kv_pool_allocator.get_kvcache().layer_num
     # token_layers: of the n tokens the source covers (the rest of the span is computed anyway)
-    entry = {"recompute_ratio": ratio, "source_tokens": n, "token_layers": n * num_layers,
-             "recomputed_token_layers": 0}
+    entry = {"recompute_ratio": ratio, "source_tokens": n, "token_layers": n * num_layers, "recomputed_token_layers": 0}
     st.recompute[index] = entry
     if ratio == 0.0:
         injected = inject_segment(ses, scheduler, req, span, rec, n, rope)

@@ -38,7 +38,9 @@ def release(ses, tree, req, checkpointed: bool) -> None:
         tree.dump(req, st, owned, ses.args.dump_dir)
     tokens = tuple(req.full_untruncated_fill_ids[:owned])
     if spec.sequence:  # automatic detection reads it at any offset
-        ses.registry.record_sequence(spec.workflow, spec.sequence, SourceRecord(spec.agent, req.extra_key, tokens, 0, owned))
+        ses.registry.record_sequence(
+            spec.workflow, spec.sequence, SourceRecord(spec.agent, req.extra_key, tokens, 0, owned)
+        )
     for slot, start, end in st.cached_slots(owned):
         rec = SourceRecord(spec.agent, req.extra_key, tokens[:end], start, end)
         ses.registry.record(spec.workflow, slot, rec)

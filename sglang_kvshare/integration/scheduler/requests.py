@@ -94,7 +94,8 @@ def log_stats(ses, result, collector, stats, *args, **kwargs):
 
         gauges = collector._kvshare_gauges = {
             key: Gauge(f"kvshare_{key}", doc, list(collector.labels), multiprocess_mode="mostrecent")
-            for key, doc in _GAUGES.items()}
+            for key, doc in _GAUGES.items()
+        }
     if ses.tree is not None:
         gauges["tree_tokens"].labels(**collector.labels).set(tree_tokens(ses.tree))
     gauges["view_tokens"].labels(**collector.labels).set(ses.view_tokens())

@@ -68,9 +68,7 @@ class AnnotationMixin:
         """The spec the scheduler gets for a prompt of ``num_tokens`` cut into ``spans``."""
         context_len = self.get_tm().context_len
         if num_tokens >= context_len:
-            raise AnnotationError(
-                f"the prompt has {num_tokens} tokens; the model's context is {context_len} tokens"
-            )
+            raise AnnotationError(f"the prompt has {num_tokens} tokens; the model's context is {context_len} tokens")
         return WireSpec(
             workflow=ann.workflow,
             agent=ann.agent,
@@ -91,9 +89,7 @@ class AnnotationMixin:
         body to forward."""
         for key in ("text", "input_ids", "input_embeds"):
             if payload.get(key) is not None:
-                raise AnnotationError(
-                    f"the prompt is given by kvshare.segments; do not also send '{key}'"
-                )
+                raise AnnotationError(f"the prompt is given by kvshare.segments; do not also send '{key}'")
         ann = parse_annotation(payload[KEY], self.args.method)
         self.check_method(ann, payload.get("lora_path"))
         wire, out = self.forward_body(payload, ann)
@@ -154,4 +150,3 @@ def with_spec(sampling_params: Optional[dict], wire: WireSpec) -> dict:
     sp = dict(sampling_params or {})
     sp["custom_params"] = {**(sp.get("custom_params") or {}), KEY: wire.dumps()}
     return sp
-

@@ -64,8 +64,7 @@ def split_events(state: dict, message: dict) -> tuple[list[bytes], bool]:
 
 def with_length(headers, length: int) -> list:
     """ASGI ``headers`` with ``content-length`` set to ``length``."""
-    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [
-        (b"content-length", str(length).encode())]
+    return [(k, v) for k, v in headers if k.lower() != b"content-length"] + [(b"content-length", str(length).encode())]
 
 
 async def read_body(receive) -> bytes:

@@ -30,7 +30,8 @@ from sglang_kvshare.integration.server.share import RequestShare
 from sglang_kvshare.methods import method_names
 from sglang_kvshare.segments import Span, parse_annotation
 from sglang_kvshare.segments.detect import agent_of, method_of, paragraph_starts, scope_of
-from sglang_kvshare.segments.token_index import Entry, Run, TokenIndex, prompt_labels
+from sglang_kvshare.segments.labels import prompt_labels
+from sglang_kvshare.segments.token_index import Entry, Run, TokenIndex
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ class AutoMixin:
             logger.warning(
                 "kvshare: workflow %r refers to earlier turns this worker never served, so their KV "
                 "cannot be reused here; behind a router, send every request of a workflow with the "
-                "header X-KVShare-Workflow (the routing key)", workflow)
+                "header X-KVShare-Workflow (the routing key)",
+                workflow,
+            )
         return missing
 
     def auto_method(self, headers) -> Optional[str]:
@@ -78,8 +81,14 @@ class AutoMixin:
         """Index a finished auto request's output tokens (after its prompt, in its sequence)."""
         ids = without_trailing_special(self.get_tm().tokenizer, answer.get("output_ids") or ())
         if ids and share.wire is not None and share.wire.sequence:
-            entry = Entry(share.wire.sequence, share.ann.agent, "output", len(share.input_ids), ids,
-                          [(0, len(ids), f"out:{share.ann.agent}")])
+            entry = Entry(
+                share.wire.sequence,
+                share.ann.agent,
+                "output",
+                len(share.input_ids),
+                ids,
+                [(0, len(ids), f"out:{share.ann.agent}")],
+            )
             self.index.add(share.ann.workflow, entry)
 
     async def auto_chat(self, scope, receive, send, body: dict, method: str) -> bool:
@@ -162,4 +171,3 @@ def run_spans(runs: Sequence[Run], n: int) -> list[Span]:
     if pos < n:
         spans.append(Span(pos, n))
     return spans
-

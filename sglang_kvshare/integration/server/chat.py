@@ -51,8 +51,9 @@ class ChatShare(RequestShare):
             self.ann, self.wire = self.owner.detected(self.raw, self.auto, prompt, stock_ids, starts)
             self.input_ids = list(stock_ids)
             return self.input_ids
-        self.ann = parse_annotation({**self.raw, "segments": chat_segments(prompt, tok, self.pieces)},
-                                    self.owner.args.method)
+        self.ann = parse_annotation(
+            {**self.raw, "segments": chat_segments(prompt, tok, self.pieces)}, self.owner.args.method
+        )
         self.input_ids, self.wire = self.owner.tokenize(self.ann)
         return self.input_ids
 
@@ -115,7 +116,7 @@ def chat_segments(prompt: str, tok, pieces: list[Piece]) -> list[dict]:
     text around them PF segments."""
     prefix = tok.decode(special_prefix(tok))
     if prefix and prompt.startswith(prefix):
-        prompt = prompt[len(prefix):]  # the tokenizer adds it again
+        prompt = prompt[len(prefix) :]  # the tokenizer adds it again
     segments, cursor = [], 0
     for piece in pieces:
         at = prompt.find(piece.text, cursor)
@@ -169,7 +170,7 @@ def held_chunk(event: bytes) -> Optional[dict]:
     if not event.startswith(b"data: "):
         return None
     try:
-        chunk = json.loads(event[len(b"data: "):])
+        chunk = json.loads(event[len(b"data: ") :])
     except ValueError:
         return None
     return chunk if isinstance(chunk, dict) else None

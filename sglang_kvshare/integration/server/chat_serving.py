@@ -40,8 +40,9 @@ def convert_to_internal_request(ctx, original, serving, request, raw_request=Non
     if share.wire is None:
         if share.auto is not None:
             return adapted, processed  # nothing detected survived tokenisation: runs unshared
-        raise AnnotationError("kvshare: this model's chat prompt does not round-trip through text; "
-                              "its messages cannot be shared")
+        raise AnnotationError(
+            "kvshare: this model's chat prompt does not round-trip through text; its messages cannot be shared"
+        )
     adapted.sampling_params = with_spec(adapted.sampling_params, share.wire)
     adapted.extra_key = share.wire.namespace
     return adapted, processed

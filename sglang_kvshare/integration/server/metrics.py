@@ -57,28 +57,46 @@ class Metrics:
 
             m: dict[str, Any] = {
                 "requests": Counter("kvshare_requests_total", "Finished annotated requests", ["method"]),
-                "corrections": Counter("kvshare_corrections_total",
-                                       "Gated shared segments by outcome (accepted, rejected) and gate reason",
-                                       ["method", "outcome", "reason"]),
+                "corrections": Counter(
+                    "kvshare_corrections_total",
+                    "Gated shared segments by outcome (accepted, rejected) and gate reason",
+                    ["method", "outcome", "reason"],
+                ),
                 "correction_seconds": Histogram(
                     "kvshare_correction_seconds",
-                    "Scheduler time of a request's corrections (gather, gate, correct, write)", ["method"],
-                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)),
-                "anchor_bytes": Gauge("kvshare_anchor_bytes", "A correction method's anchor memory, bytes",
-                                      ["method"], multiprocess_mode="mostrecent"),
+                    "Scheduler time of a request's corrections (gather, gate, correct, write)",
+                    ["method"],
+                    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+                ),
+                "anchor_bytes": Gauge(
+                    "kvshare_anchor_bytes",
+                    "A correction method's anchor memory, bytes",
+                    ["method"],
+                    multiprocess_mode="mostrecent",
+                ),
                 "lr_bytes": Gauge("kvshare_lr_bytes", "LR-cache memory, bytes", multiprocess_mode="mostrecent"),
-                "sourced": Counter("kvshare_sourced_tokens_total",
-                                   "Tokens of shared segments that had a source cache", ["method"]),
-                "detected": Counter("kvshare_detected_spans_total",
-                                    "Repeated runs found by automatic detection", ["kind"]),
-                "detected_tokens": Counter("kvshare_detected_tokens_total",
-                                           "Tokens of the repeated runs found by automatic detection", ["kind"]),
-                "auto_prompt": Counter("kvshare_auto_prompt_tokens_total",
-                                       "Prompt tokens of automatically detected requests", ["turn"]),
-                "detect_seconds": Histogram("kvshare_detect_seconds", "Automatic detection time of a request",
-                                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)),
-                "sources_missing": Counter("kvshare_sources_missing_total",
-                                           "Requests referring to earlier turns this worker never served"),
+                "sourced": Counter(
+                    "kvshare_sourced_tokens_total", "Tokens of shared segments that had a source cache", ["method"]
+                ),
+                "detected": Counter(
+                    "kvshare_detected_spans_total", "Repeated runs found by automatic detection", ["kind"]
+                ),
+                "detected_tokens": Counter(
+                    "kvshare_detected_tokens_total",
+                    "Tokens of the repeated runs found by automatic detection",
+                    ["kind"],
+                ),
+                "auto_prompt": Counter(
+                    "kvshare_auto_prompt_tokens_total", "Prompt tokens of automatically detected requests", ["turn"]
+                ),
+                "detect_seconds": Histogram(
+                    "kvshare_detect_seconds",
+                    "Automatic detection time of a request",
+                    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+                ),
+                "sources_missing": Counter(
+                    "kvshare_sources_missing_total", "Requests referring to earlier turns this worker never served"
+                ),
             }
             for key, doc in TOKEN_COUNTERS:
                 m[key] = Counter(f"kvshare_{key}_total", doc, ["method"])

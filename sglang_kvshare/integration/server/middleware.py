@@ -66,10 +66,15 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
                 ann, wire, payload = self.rewrite(payload)
                 share = RequestShare(self, ann, payload["input_ids"], wire)
                 share.sources_missing = self.note_sources(
-                    ann.workflow, any(output_agent(s.slot) for s in wire.spans if s.shared))
+                    ann.workflow, any(output_agent(s.slot) for s in wire.spans if s.shared)
+                )
             else:
                 method = self.auto_method(scope["headers"])
-                if method is not None and path == CHAT_PATH and await self.auto_chat(scope, receive, send, payload, method):
+                if (
+                    method is not None
+                    and path == CHAT_PATH
+                    and await self.auto_chat(scope, receive, send, payload, method)
+                ):
                     return
                 found = self.auto_generate(scope["headers"], payload, method) if method and path != CHAT_PATH else None
                 if found is None:
@@ -84,6 +89,4 @@ class KVShareMiddleware(AnnotationMixin, PrefillMixin, ChatMixin, AutoMixin):
 
 def install(app, args: KVShareArgs) -> None:
     """Add the middleware to SGLang's FastAPI ``app`` (before the server starts)."""
-    app.add_middleware(
-        KVShareMiddleware, args=args, get_tokenizer_manager=lambda: get_global_state().tokenizer_manager
-    )
+    app.add_middleware(KVShareMiddleware, args=args, get_tokenizer_manager=lambda: get_global_state().tokenizer_manager)

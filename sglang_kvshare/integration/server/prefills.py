@@ -89,8 +89,11 @@ class PrefillMixin:
         for d in done:
             if isinstance(d, BaseException):
                 logger.warning("kvshare: rebase_shared_lp rebuild of workflow %s failed: %r", ann.workflow, d)
-        return dataclasses.replace(wire, rebuild_tokens=sum(d for d in done if isinstance(d, int)),
-                                   rebuild_wait_ms=round((time.perf_counter() - t0) * 1e3, 3))
+        return dataclasses.replace(
+            wire,
+            rebuild_tokens=sum(d for d in done if isinstance(d, int)),
+            rebuild_wait_ms=round((time.perf_counter() - t0) * 1e3, 3),
+        )
 
     async def prepare(self, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
         """Before an annotated request runs: the prefills its method needs (ReBaseShared LP: wait
@@ -110,13 +113,16 @@ class PrefillMixin:
         # the tokens the adapted path fed: its prompt and every output token but the last (never
         # an input), the span the double-batched twin of rebase_shared_db rebuilds too
         tokens = list(ids) + list(out.get("output_ids") or [])[:-1]
-        wire = WireSpec(workflow=ann.workflow, agent=ann.agent, method=ann.method,
-                        spans=(Span(0, len(tokens)),),
-                        rebuild_of=str((out.get("meta_info") or {}).get("id") or ""))
+        wire = WireSpec(
+            workflow=ann.workflow,
+            agent=ann.agent,
+            method=ann.method,
+            spans=(Span(0, len(tokens)),),
+            rebuild_of=str((out.get("meta_info") or {}).get("id") or ""),
+        )
         obj = GenerateReqInput(
             input_ids=tokens,
-            sampling_params={"max_new_tokens": 1, "temperature": 0,
-                             "custom_params": {KEY: wire.dumps()}},
+            sampling_params={"max_new_tokens": 1, "temperature": 0, "custom_params": {KEY: wire.dumps()}},
             extra_key=wire.namespace,
             priority=lowest_priority() if self.get_tm().enable_priority_scheduling else None,
         )

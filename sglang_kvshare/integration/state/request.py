@@ -122,8 +122,7 @@ class ReqShareState:
                 if i in self.jobs:
                     job = self.jobs[i]
                     self.recompute[i].update(
-                        recomputed_token_layers=job.token_layers,
-                        layer_groups=[list(g) for g in job.layer_groups],
+                        recomputed_token_layers=job.token_layers, layer_groups=[list(g) for g in job.layer_groups]
                     )
                 entry.update(self.recompute[i])
             segs.append(entry)
@@ -148,9 +147,7 @@ class ReqShareState:
         if self.method.lr_sharing == "rebase_lp":
             self.meta.update(rebuild_tokens=self.spec.rebuild_tokens, rebuild_wait_ms=self.spec.rebuild_wait_ms)
         if self.method.selector:
-            self.meta["recomputed_token_layers"] = sum(
-                r["recomputed_token_layers"] for r in self.recompute.values()
-            )
+            self.meta["recomputed_token_layers"] = sum(r["recomputed_token_layers"] for r in self.recompute.values())
         if self.method.corrector:
             self.meta["correction_ms"] = round(self.correction_ms, 3)
             self.meta["recomputed_rows"] = sum(c.get("recomputed_rows", 0) for c in self.corrections.values())

@@ -97,9 +97,12 @@ class Session:
         if name not in self._correctors:
             overrides: dict[str, Any] = {}
             if name.startswith("kvcmas"):
-                overrides = {"num_anchors": self.args.num_anchors, "tau": self.args.tau,
-                             "factor_dtype": getattr(torch, self.args.anchor_dtype),
-                             "compute_dtype": self.anchor_compute_dtype()}
+                overrides = {
+                    "num_anchors": self.args.num_anchors,
+                    "tau": self.args.tau,
+                    "factor_dtype": getattr(torch, self.args.anchor_dtype),
+                    "compute_dtype": self.anchor_compute_dtype(),
+                }
                 if name != "kvcmas_plus":  # its ranks are energy-chosen under caps of its own
                     overrides.update(rank_base=self.args.rank, rank_delta=self.args.rank)
             elif name == "kvcomm":
@@ -152,8 +155,12 @@ class Session:
                 else:
                     free = psutil.virtual_memory().available
                 self._budget = int(self.args.anchor_mem_fraction * free)
-                logger.info("kvshare: anchor budget %.0f MiB (%.0f%% of %.0f MiB free)",
-                            self._budget / 2**20, 100 * self.args.anchor_mem_fraction, free / 2**20)
+                logger.info(
+                    "kvshare: anchor budget %.0f MiB (%.0f%% of %.0f MiB free)",
+                    self._budget / 2**20,
+                    100 * self.args.anchor_mem_fraction,
+                    free / 2**20,
+                )
         return self._budget
 
     def enforce_anchor_budget(self, keep=()) -> int:
@@ -173,19 +180,22 @@ class Session:
 
     def stats(self) -> dict[str, Any]:
         """Plain-value state of the sharing machinery (``/server_info`` internal state)."""
-        return {
-            "anchor_bytes": self.anchor_bytes_total(),
-            "anchor_budget_bytes": self._budget,
-            "pending_observations": self.observer.pending,
-            "observations_done": self.observer.num_done,
-            "observations_failed": self.observer.num_failed,
-            "correctors": {name: c.stats() for name, c in self._correctors.items()},
-            "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
-            "view_tokens": self.view_tokens(),
-            "reuse_horizon_s": self.reuse.horizon(),
-            "forwards": {"plain": self.forwards["plain"], "shared": self.forwards["shared"]},
-        } | ({} if self.anchor_file is None else self.anchor_file.stats()) | (
-            {} if self.views is None else self.views.stats())
+        return (
+            {
+                "anchor_bytes": self.anchor_bytes_total(),
+                "anchor_budget_bytes": self._budget,
+                "pending_observations": self.observer.pending,
+                "observations_done": self.observer.num_done,
+                "observations_failed": self.observer.num_failed,
+                "correctors": {name: c.stats() for name, c in self._correctors.items()},
+                "tau_controllers": {f"{n}@{t}": c.stats() for (n, t), c in self._controllers.items()},
+                "view_tokens": self.view_tokens(),
+                "reuse_horizon_s": self.reuse.horizon(),
+                "forwards": {"plain": self.forwards["plain"], "shared": self.forwards["shared"]},
+            }
+            | ({} if self.anchor_file is None else self.anchor_file.stats())
+            | ({} if self.views is None else self.views.stats())
+        )
 
     def view_tokens(self) -> int:
         """Prompt tokens that live requests attend in a source's slots (KV views)."""
@@ -233,8 +243,11 @@ class Session:
         weighs the same (the groups then start at layer 0)."""
         key = (path, num_layers)
         if key not in self.profiles:
-            self.profiles[key] = (DroidSpeakProfile.load(path, num_layers) if path
-                                  else DroidSpeakProfile.of_layer_deviation([1.0] * num_layers))
+            self.profiles[key] = (
+                DroidSpeakProfile.load(path, num_layers)
+                if path
+                else DroidSpeakProfile.of_layer_deviation([1.0] * num_layers)
+            )
         return self.profiles[key]
 
     def rope_of(self, model_runner) -> RopeSpec:
