@@ -8,7 +8,7 @@
   checks, and is loaded when the server's own file does not exist yet (:func:`load_path`).
 - The scheduler loads, saves periodically, on request (``POST /set_internal_state
   {"server_args": {"kvshare_save_anchor_pool": 1}}``, :data:`SAVE_KEY`) and at shutdown
-  (``integration/scheduler/anchor_pool_file.py``).
+  (``integration/state/anchor_pool_file.py``).
 
 The model identity is the shape of its configuration (:func:`model_identity`), passed from the
 launcher to the scheduler processes in ``SGLANG_KVSHARE_MODEL`` (:data:`MODEL_ENV`).

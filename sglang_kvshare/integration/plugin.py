@@ -23,7 +23,6 @@ from sglang_kvshare.integration import hooks
 from sglang_kvshare.integration.cache import radix
 from sglang_kvshare.integration.cpu_shims import unpin_lora
 from sglang_kvshare.integration.model import attention
-from sglang_kvshare.integration.scheduler.anchor_pool_file import AnchorPoolFile
 from sglang_kvshare.integration.scheduler.release import release
 from sglang_kvshare.integration.server.context import ServerContext
 from sglang_kvshare.integration.state.session import Session
@@ -50,7 +49,6 @@ def load() -> None:
     if not torch.cuda.is_available():
         unpin_lora()
     session = Session(KVShareArgs.from_env())
-    session.anchor_file = AnchorPoolFile(session)
     register_radix_cache_backend(radix.BACKEND_NAME, functools.partial(_build_tree, session))
     attention.register(session)
     for hook_set in hooks.SCHEDULER_HOOKS:

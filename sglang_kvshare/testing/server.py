@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import requests
 
-from sglang_kvshare.launch_router import free_port
+from sglang_kvshare.router_argv import free_port
 
 STOCK_CPU_FLAGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",

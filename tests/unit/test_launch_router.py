@@ -2,7 +2,8 @@
 
 import pytest
 
-from sglang_kvshare.launch_router import parse_args, router_argv, worker_anchor_pool, worker_argv
+from sglang_kvshare.launch_router import parse_args
+from sglang_kvshare.router_argv import router_argv, worker_anchor_pool, worker_argv
 from sglang_kvshare.routing import ROUTING_KEY_HEADER, routing_headers
 
 

@@ -165,12 +165,14 @@ def build(ctx: TreeCacheBuildContext, session, released: Callable) -> KVShareRad
         raise ValueError("--radix-cache-backend kvshare needs the radix cache enabled")
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
         raise ValueError("--radix-cache-backend kvshare supports full-attention models without hierarchical cache")
-    tree = session.tree = KVShareRadixCache(ctx.params, session, released)
+    tree = KVShareRadixCache(ctx.params, session, released)
     allocator = ctx.params.token_to_kv_pool_allocator
     why_not = session.views_unsupported or (None if allocator.page_size == 1 else "page size > 1")
+    views = None
     if session.args.kv_views and why_not is None:
-        session.views = KVViews(allocator.size + 1, allocator.device, session.args.leaf_rank)  # slot 0 is padding
+        views = KVViews(allocator.size + 1, allocator.device, session.args.leaf_rank)  # slot 0 is padding
         logger.info("kvshare KV views on: later agents read shared segments in the source's slots")
     elif session.args.kv_views:
         logger.info("kvshare KV views off (%s): later agents copy shared segments", why_not)
+    session.attach_tree(tree, views)
     return tree

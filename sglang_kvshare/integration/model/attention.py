@@ -49,8 +49,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         super().__init__(model_runner)
         self.model_runner = model_runner
         self.session = session
-        session.runner = model_runner  # its pools are the ones recompute jobs write
-        session.views_unsupported = views_unsupported(model_runner, session)
+        session.attach_model_runner(model_runner, views_unsupported(model_runner, session))
         self.keys = RequestKeys(session, model_runner)
         self.layer_id = 0  # of the layer now attending (a KV leaf's factors are per layer)
         self.lr = None
@@ -60,7 +59,7 @@ class KVShareTorchAttnBackend(TorchNativeAttnBackend):
         ses = self.session
         fwd = ses.begin_forward(forward_batch)
         if ses.lr is None and ses.args.lr_cache:  # once per process
-            ses.lr = LRCache(self.model_runner, ses)
+            ses.attach_lr_cache(LRCache(self.model_runner, ses))
             logger.info("kvshare LR cache: %d adapter columns, %d layers", ses.lr.n_slots, len(ses.lr.layer_of))
         self.lr = ses.lr
         if self.lr is not None:

@@ -58,7 +58,7 @@ def fetch_new_loras(ses, original, manager, new_loras, running_loras=set()):
 def init_lora_manager(ses, original, runner, *args, **kwargs):
     out = original(runner, *args, **kwargs)
     if ses.args.lr_cache:
-        ses.lora_manager = runner.lora_manager
+        ses.attach_lora_manager(runner.lora_manager)
     return out
 
 
@@ -72,5 +72,5 @@ def compute_cell_size(ses, original, configurator, kvc, num_layers, *args, **kwa
     if ses.args.lr_cache and manager is not None and cell:
         per_agent = lr_bytes_per_token(manager, num_layers, torch._utils._element_size(kvc.kv_cache_dtype))
         cell += manager.max_loras_per_batch * per_agent + lp_stash_bytes(ses.args.lp_stash_columns, per_agent)
-        ses.lr_pool_cell_bytes = cell
+        ses.attach_lr_pool_cell_bytes(cell)
     return cell

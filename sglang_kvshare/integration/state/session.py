@@ -19,6 +19,7 @@ from sglang_kvshare.correction.observer import Observer
 from sglang_kvshare.correction.pool import evict_lfu_oldest
 from sglang_kvshare.correction.tuning import TauController
 from sglang_kvshare.integration.cpu_shims import keep_freed_memory
+from sglang_kvshare.integration.state.anchor_pool_file import AnchorPoolFile
 from sglang_kvshare.integration.state.forward import ForwardState
 from sglang_kvshare.integration.state.request import ReqShareState
 from sglang_kvshare.integration.state.twins import TwinPairs
@@ -41,17 +42,16 @@ class Session:
 
     def __init__(self, args: KVShareArgs):
         self.args = args
-        self.lr = None  # the LR cache (``--kvshare-lr-cache``), created by the attention backend
-        self.lora_manager = None  # with the LR cache: SGLang's LoRA manager, before the KV pool is sized
-        self.lr_pool_cell_bytes: Optional[int] = None  # SGLang's bytes per cached token, KV + LR
         self.hidden = HiddenStore()  # selective recomputation's stored hidden states
         self.profiles: dict[tuple[str, int], Any] = {}  # DroidSpeak profiles by (path, layers)
-        self.runner = None  # the model runner whose attention backend is kvshare_torch
-        # KV views (``cache/views.py``): why they cannot run here (None: the attention backend
-        # can attend them), set by the attention backend; the views, built with the tree
+        # what SGLang constructs after the plugin loaded, each received by its ``attach_*`` method
+        self.runner: Any = None  # the model runner whose attention backend is kvshare_torch
         self.views_unsupported: Optional[str] = "attention backend is not kvshare_torch"
-        self.views = None
-        self.tree = None  # the ``kvshare`` radix tree (``cache/radix.py``), once SGLang built it
+        self.tree: Any = None  # the ``kvshare`` radix tree (``cache/radix.py``)
+        self.views: Any = None  # KV views (``cache/views.py``), built with the tree when supported
+        self.lora_manager: Any = None  # with the LR cache: SGLang's LoRA manager, before the KV pool is sized
+        self.lr_pool_cell_bytes: Optional[int] = None  # SGLang's bytes per cached token, KV + LR
+        self.lr: Any = None  # the LR cache (``--kvshare-lr-cache``, ``model/lr_pool.py``)
         self.forward: Optional[ForwardState] = None  # the forward now running
         self.forwards: Counter = Counter()  # forwards begun, "shared" or "plain"
         self.memory_kept = False  # ``keep_memory_for_sharing`` ran
@@ -65,11 +65,30 @@ class Session:
         self._controllers: dict[tuple[str, Optional[float]], Any] = {}
         self._budget: Optional[int] = None
         self.observer = Observer(args.observe)
-        self.anchor_file = None  # the scheduler's ``AnchorPoolFile`` (set by ``plugin.py``)
+        self.anchor_file = AnchorPoolFile(self)  # the pools on disk (``--kvshare-anchor-pool``)
         self.rng = random.Random(0)  # shadow sampling
         self.rope: Optional[RopeSpec] = None  # the model's RoPE, read at the first sharing step
         # baseshared: (workflow, agent) -> token ids the agent has processed itself
         self.processed: FIFOCache = FIFOCache(16 * args.max_workflows)
+
+    def attach_model_runner(self, runner, views_unsupported: Optional[str]) -> None:
+        """The model runner whose attention backend is ``kvshare_torch`` (its pools are the ones
+        recompute jobs write) and why it cannot attend KV views (None: it can)."""
+        self.runner, self.views_unsupported = runner, views_unsupported
+
+    def attach_tree(self, tree, views) -> None:
+        """The radix tree SGLang built with ``--radix-cache-backend kvshare`` and its KV views (None: off)."""
+        self.tree, self.views = tree, views
+
+    def attach_lora_manager(self, manager) -> None:
+        self.lora_manager = manager
+
+    def attach_lr_pool_cell_bytes(self, cell: int) -> None:
+        """SGLang's bytes per cached token as sized with the LR columns (``lora_hooks.py``)."""
+        self.lr_pool_cell_bytes = cell
+
+    def attach_lr_cache(self, lr) -> None:
+        self.lr = lr
 
     @property
     def own_columns(self) -> FIFOCache:
@@ -193,7 +212,7 @@ class Session:
                 "reuse_horizon_s": self.reuse.horizon(),
                 "forwards": {"plain": self.forwards["plain"], "shared": self.forwards["shared"]},
             }
-            | ({} if self.anchor_file is None else self.anchor_file.stats())
+            | self.anchor_file.stats()
             | ({} if self.views is None else self.views.stats())
         )
 
