@@ -5,8 +5,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh || exit 1
 VENV=${KVSHARE_VENV:-.venv}
-# lint first (settings in pyproject.toml): a failure fails the run
+# lint, format check and type check first (settings in pyproject.toml): a failure fails the run
 "$VENV/bin/ruff" check sglang_kvshare benchmarks tests examples scripts || exit 1
+"$VENV/bin/ruff" format --check sglang_kvshare benchmarks tests examples scripts || exit 1
+"$VENV/bin/mypy" || exit 1
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then

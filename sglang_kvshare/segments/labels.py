@@ -15,9 +15,12 @@ from typing import Protocol, Sequence
 class Span(Protocol):
     """A labelled run of a prompt (``token_index.Run``)."""
 
-    start: int
-    end: int
-    label: str
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def label(self) -> str: ...
 
 
 def merge_short(parts: list[tuple[int, int, str]], k: int) -> list[tuple[int, int, str]]:

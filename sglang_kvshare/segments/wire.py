@@ -22,9 +22,9 @@ def output_slot(agent: str) -> str:
     return OUTPUT_SLOT_PREFIX + agent
 
 
-def output_agent(slot: str) -> Optional[str]:
-    """The agent whose output slot ``slot`` is (None: not an output slot)."""
-    return slot[len(OUTPUT_SLOT_PREFIX) :] if slot.startswith(OUTPUT_SLOT_PREFIX) else None
+def output_agent(slot: Optional[str]) -> Optional[str]:
+    """The agent whose output slot ``slot`` is (None: not an output slot, or no slot)."""
+    return slot[len(OUTPUT_SLOT_PREFIX) :] if slot and slot.startswith(OUTPUT_SLOT_PREFIX) else None
 
 
 def one_record(value: Any) -> Any:

@@ -7,7 +7,7 @@ tokens whose KV the source holds.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from cachetools import FIFOCache
 
@@ -15,6 +15,9 @@ from sglang_kvshare.methods import get_method
 from sglang_kvshare.segments import AnnotationError, WireSpec, parse_annotation, tokenize_segments
 from sglang_kvshare.segments.spec import KVShareAnnotation
 from sglang_kvshare.segments.wire import KEY, output_agent
+
+if TYPE_CHECKING:
+    from sglang_kvshare.integration.server.host import Host
 
 
 class OutputTokens:
@@ -34,10 +37,9 @@ class OutputTokens:
 
 
 class AnnotationMixin:
-    """The middleware's annotation rewrite and output memory (needs ``args``, ``get_tm``,
-    ``outputs``)."""
+    """The middleware's annotation rewrite and output memory (a part of ``host.Host``)."""
 
-    def check_method(self, ann: KVShareAnnotation, lora_path) -> None:
+    def check_method(self: Host, ann: KVShareAnnotation, lora_path) -> None:
         """Refuse a method this server cannot run for this request (LR-cache methods)."""
         method = get_method(ann.method)
         if method.lr_sharing and not self.args.lr_cache:
@@ -50,7 +52,7 @@ class AnnotationMixin:
                 "agents use nonshared, fullshared, baseshared, prelr_shared, rebase_shared_lp or rebase_shared_db"
             )
 
-    def tokenize(self, ann: KVShareAnnotation) -> tuple[list[int], WireSpec]:
+    def tokenize(self: Host, ann: KVShareAnnotation) -> tuple[list[int], WireSpec]:
         """The prompt's token ids (each segment on its own; an ``out:<agent>`` segment as the
         output tokens that agent produced) and the spec the scheduler gets."""
         tok = self.get_tm().tokenizer
@@ -64,7 +66,7 @@ class AnnotationMixin:
         )
         return prompt.input_ids, self.spec(ann, len(prompt.input_ids), prompt.spans)
 
-    def spec(self, ann: KVShareAnnotation, num_tokens: int, spans) -> WireSpec:
+    def spec(self: Host, ann: KVShareAnnotation, num_tokens: int, spans) -> WireSpec:
         """The spec the scheduler gets for a prompt of ``num_tokens`` cut into ``spans``."""
         context_len = self.get_tm().context_len
         if num_tokens >= context_len:
@@ -84,7 +86,7 @@ class AnnotationMixin:
             leaves=ann.leaves,
         )
 
-    def rewrite(self, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:
+    def rewrite(self: Host, payload: dict) -> tuple[KVShareAnnotation, WireSpec, dict]:
         """Validate and tokenise a ``/generate`` body; returns the annotation, its spec and the
         body to forward."""
         for key in ("text", "input_ids", "input_embeds"):
@@ -95,7 +97,7 @@ class AnnotationMixin:
         wire, out = self.forward_body(payload, ann)
         return ann, wire, out
 
-    def forward_body(self, payload: dict, ann: KVShareAnnotation) -> tuple[WireSpec, dict]:
+    def forward_body(self: Host, payload: dict, ann: KVShareAnnotation) -> tuple[WireSpec, dict]:
         """``payload`` as SGLang gets it: the annotation's ``input_ids``, its spec in the sampling
         parameters, the agent's namespace (``extra_key``)."""
         input_ids, wire = self.tokenize(ann)
@@ -109,7 +111,7 @@ class AnnotationMixin:
         out["extra_key"] = wire.namespace
         return out
 
-    def remember(self, ann: KVShareAnnotation, out) -> None:
+    def remember(self: Host, ann: KVShareAnnotation, out) -> None:
         """Keep the agent's output token ids (``out``: a parsed answer with ``output_ids`` and
         ``text``)."""
         if not isinstance(out, dict) or "output_ids" not in out:

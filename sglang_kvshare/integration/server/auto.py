@@ -17,10 +17,11 @@ request of a workflow is logged, naming the header.
 from __future__ import annotations
 
 import bisect
+from array import array
 import logging
 import time
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from cachetools import FIFOCache
 
@@ -33,20 +34,23 @@ from sglang_kvshare.segments.detect import agent_of, method_of, paragraph_starts
 from sglang_kvshare.segments.labels import prompt_labels
 from sglang_kvshare.segments.token_index import Entry, Run, TokenIndex
 
+if TYPE_CHECKING:
+    from sglang_kvshare.integration.server.host import Host
+
 logger = logging.getLogger(__name__)
 
 
 class AutoMixin:
-    """Needs ``args``, ``get_tm``, ``check_method``, ``spec``, ``body_with`` and ``hand_on``;
-    keeps ``index``, ``seen`` and ``missing_logged`` (set up by :meth:`init_auto`)."""
+    """Automatic detection (a part of ``host.Host``); keeps ``index``, ``seen`` and
+    ``missing_logged`` (set up by :meth:`init_auto`)."""
 
-    def init_auto(self) -> None:
+    def init_auto(self: Host) -> None:
         a = self.args
         self.index = TokenIndex(a.auto_min_tokens, a.auto_scope_tokens, a.auto_index_tokens, a.max_workflows)
         self.seen: FIFOCache = FIFOCache(16 * a.max_workflows)  # workflows served here
         self.missing_logged: FIFOCache = FIFOCache(a.max_workflows)
 
-    def note_sources(self, workflow: str, refers_back: bool) -> bool:
+    def note_sources(self: Host, workflow: str, refers_back: bool) -> bool:
         """Whether a request of ``workflow`` that ``refers_back`` to earlier turns finds none of
         them on this worker (its KV sources are elsewhere); logged once per workflow."""
         missing = refers_back and workflow not in self.seen
@@ -61,11 +65,11 @@ class AutoMixin:
             )
         return missing
 
-    def auto_method(self, headers) -> Optional[str]:
+    def auto_method(self: Host, headers) -> Optional[str]:
         default = None if self.args.auto == "off" else self.args.auto
         return method_of(headers, default, method_names())
 
-    def detection(self, headers, method: str, messages, user, lora_path) -> Optional[tuple[dict, dict]]:
+    def detection(self: Host, headers, method: str, messages, user, lora_path) -> Optional[tuple[dict, dict]]:
         """(the annotation without segments, the record's ``auto`` object) of a request in a
         scope; None without a scope."""
         found = scope_of(headers, self.args.auto_scope == "server")
@@ -77,21 +81,17 @@ class AutoMixin:
         self.check_method(parse_annotation({**raw, "segments": [{"text": "."}]}, method), lora_path)
         return raw, {"scope": scope_from, "agent": agent, "agent_from": agent_from, "method": method}
 
-    def remember_response(self, share: RequestShare, answer: dict) -> None:
+    def remember_response(self: Host, share: RequestShare, answer: dict) -> None:
         """Index a finished auto request's output tokens (after its prompt, in its sequence)."""
         ids = without_trailing_special(self.get_tm().tokenizer, answer.get("output_ids") or ())
-        if ids and share.wire is not None and share.wire.sequence:
+        ann, wire, prompt = share.annotated()
+        if ids and wire.sequence:
             entry = Entry(
-                share.wire.sequence,
-                share.ann.agent,
-                "output",
-                len(share.input_ids),
-                ids,
-                [(0, len(ids), f"out:{share.ann.agent}")],
+                wire.sequence, ann.agent, "output", len(prompt), array("i", ids), [(0, len(ids), f"out:{ann.agent}")]
             )
-            self.index.add(share.ann.workflow, entry)
+            self.index.add(ann.workflow, entry)
 
-    async def auto_chat(self, scope, receive, send, body: dict, method: str) -> bool:
+    async def auto_chat(self: Host, scope, receive, send, body: dict, method: str) -> bool:
         """Hand a chat request on to be detected once rendered; False: not in a scope (untouched)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -106,7 +106,7 @@ class AutoMixin:
         await self.hand_on(scope, receive, send, body, share)
         return True
 
-    def auto_generate(self, headers, payload: dict, method: str) -> Optional[tuple[RequestShare, dict]]:
+    def auto_generate(self: Host, headers, payload: dict, method: str) -> Optional[tuple[RequestShare, dict]]:
         """A ``/generate`` request with one ``text`` prompt as an annotated request with its
         detected spans (its blank-line-separated paragraphs as its "messages"): (its share, the
         body to forward); None: left untouched."""
@@ -123,7 +123,7 @@ class AutoMixin:
         body = {k: v for k, v in payload.items() if k != "text"}
         return RequestShare(self, ann, stock, wire, auto=auto), self.body_with(body, stock, wire)
 
-    def detected(self, raw: dict, auto: dict, text: str, stock_ids: list[int], starts: Sequence[int]):
+    def detected(self: Host, raw: dict, auto: dict, text: str, stock_ids: list[int], starts: Sequence[int]):
         """(annotation, spec) of a prompt ``text`` that the server tokenises as ``stock_ids``, its
         messages starting at characters ``starts``: the runs of ``stock_ids`` that repeat the
         scope's indexed tokens become shared spans, read from their sources' ranges; the prompt
@@ -136,7 +136,7 @@ class AutoMixin:
         try:
             runs = self.index.find(workflow, stock_ids[:-1])  # the last token is computed anyway
             labels = prompt_labels(len(stock_ids), runs, agent, self.message_of(text, stock_ids, starts))
-            self.index.add(workflow, Entry(key, agent, "prompt", 0, stock_ids, labels))
+            self.index.add(workflow, Entry(key, agent, "prompt", 0, array("i", stock_ids), labels))
         except Exception as e:  # the request runs unshared rather than fail
             logger.exception("kvshare: span detection failed; the request runs unshared")
             runs, auto["error"] = [], f"{type(e).__name__}: {e}"
@@ -146,7 +146,7 @@ class AutoMixin:
         ranges = {r.slot: (r.source, r.src_start, r.src_end) for r in runs}
         return ann, replace(spec, sequence=key, ranges=ranges)
 
-    def message_of(self, text: str, stock_ids: list[int], starts: Sequence[int]) -> list[int]:
+    def message_of(self: Host, text: str, stock_ids: list[int], starts: Sequence[int]) -> list[int]:
         """The message (index into ``starts``) of each token of ``stock_ids``, from the character
         offsets of ``text``'s tokens; all 0 when ``text`` does not re-tokenise to ``stock_ids``."""
         tok = self.get_tm().tokenizer

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang_kvshare.integration.server.annotate import special_prefix
 from sglang_kvshare.integration.server.asgi import ok_body_send, replay, split_events, with_json_added, with_length
@@ -23,6 +23,9 @@ from sglang_kvshare.integration.server.share import RequestShare, in_scope
 from sglang_kvshare.segments import AnnotationError, parse_annotation
 from sglang_kvshare.segments.detect import message_starts
 from sglang_kvshare.segments.wire import KEY, output_agent
+
+if TYPE_CHECKING:
+    from sglang_kvshare.integration.server.host import Host
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,9 @@ class ChatShare(RequestShare):
 
 
 class ChatMixin:
-    """Needs ``args``, ``app`` and ``check_method``."""
+    """Annotated chat requests, run by SGLang's own chat serving (a part of ``host.Host``)."""
 
-    async def chat(self, scope, receive, send, body: dict) -> None:
+    async def chat(self: Host, scope, receive, send, body: dict) -> None:
         """``/v1/chat/completions`` with ``kvshare`` (the OpenAI client's ``extra_body``)."""
         raw = body[KEY]
         if not isinstance(raw, dict):
@@ -76,7 +79,7 @@ class ChatMixin:
         share.sources_missing = self.note_sources(ann.workflow, any(output_agent(p.slot) for p in pieces))
         await self.hand_on(scope, receive, send, {k: v for k, v in body.items() if k != KEY}, share)
 
-    async def hand_on(self, scope, receive, send, body: dict, share: ChatShare) -> None:
+    async def hand_on(self: Host, scope, receive, send, body: dict, share: ChatShare) -> None:
         """SGLang's chat serving runs ``body`` with ``share`` in the request's scope; the answer
         gets the request's record."""
         new_body = json.dumps(body).encode()

@@ -33,7 +33,8 @@ async def generate_request(ctx, original, manager, obj, request=None):
     count = bool(getattr(manager, "enable_metrics", False))
     incremental = bool(obj.stream) and manager.incremental_streaming_output
     records: dict[int, dict] = {}  # output index -> the latest record
-    text, ids = [], []  # the first choice's answer so far (incremental streaming)
+    text: list[str] = []  # the first choice's answer so far (incremental streaming)
+    ids: list[int] = []
     async for out in original(manager, obj, request):
         for item in out if isinstance(out, list) else [out]:
             meta = item.get("meta_info")

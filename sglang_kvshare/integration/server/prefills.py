@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.runtime_context import get_schedule
@@ -19,6 +20,9 @@ from sglang_kvshare.segments.sources import REFERENCE_AGENT
 from sglang_kvshare.segments.spec import KVShareAnnotation, Span
 from sglang_kvshare.segments.wire import KEY, one_record
 
+if TYPE_CHECKING:
+    from sglang_kvshare.integration.server.host import Host
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,9 +32,9 @@ def lowest_priority() -> int:
 
 
 class PrefillMixin:
-    """Needs ``args``, ``get_tm``, ``referenced``, ``rebuilds`` and ``rebuild_tasks``."""
+    """The prefills a method needs before a request runs (a part of ``host.Host``)."""
 
-    async def ensure_references(self, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
+    async def ensure_references(self: Host, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
         """Prefill each shared segment alone (its context-free reference cache) once per workflow.
 
         Non-chained correction methods start from this cache. Each prefill is a real request
@@ -66,7 +70,7 @@ class PrefillMixin:
             self.referenced[key] = None
         return dataclasses.replace(wire, reference_tokens=charged)
 
-    def queue_rebuild(self, ann: KVShareAnnotation, ids: list[int], out: dict) -> None:
+    def queue_rebuild(self: Host, ann: KVShareAnnotation, ids: list[int], out: dict) -> None:
         """ReBaseShared, lazy prefill: once the adapted turn has answered (streamed or not, the
         answer does not wait), queue the adapter-free prefill of its new tokens into the
         workflow's shared namespace. The workflow's next request waits for it (``await_rebuilds``);
@@ -76,7 +80,7 @@ class PrefillMixin:
         task.add_done_callback(self.rebuild_tasks.discard)
         self.rebuilds[ann.workflow] = self.rebuilds.get(ann.workflow, []) + [task]
 
-    async def await_rebuilds(self, ann: KVShareAnnotation, wire: WireSpec) -> WireSpec:
+    async def await_rebuilds(self: Host, ann: KVShareAnnotation, wire: WireSpec) -> WireSpec:
         """Before a request of a workflow runs: wait for the rebuilds its earlier turns queued (no
         wait if they are done) and charge their tokens and the wait to it (``rebuild_tokens``,
         ``rebuild_wait_ms`` in ``meta_info.kvshare``). A failed rebuild leaves the cache to be
@@ -95,7 +99,7 @@ class PrefillMixin:
             rebuild_wait_ms=round((time.perf_counter() - t0) * 1e3, 3),
         )
 
-    async def prepare(self, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
+    async def prepare(self: Host, ann: KVShareAnnotation, wire: WireSpec, ids: list[int]) -> WireSpec:
         """Before an annotated request runs: the prefills its method needs (ReBaseShared LP: wait
         for the workflow's rebuilds; non-chained corrections: the reference caches); returns the
         spec to send."""
@@ -106,7 +110,7 @@ class PrefillMixin:
             wire = await self.ensure_references(ann, wire, ids)
         return wire
 
-    async def rebuild(self, ann: KVShareAnnotation, ids: list[int], out: dict) -> int:
+    async def rebuild(self: Host, ann: KVShareAnnotation, ids: list[int], out: dict) -> int:
         """The adapter-free prefill of ReBaseShared (LP); returns its computed tokens. It names
         the adapted turn (``rebuild_of``), so the scheduler puts that turn's own LR column, kept
         from its adapted hidden states, onto the rebuilt rows."""

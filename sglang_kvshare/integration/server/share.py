@@ -5,17 +5,20 @@ prefills, keeps the request's ``kvshare`` record and remembers the agent's outpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang_kvshare.methods import get_method
 from sglang_kvshare.segments import WireSpec
 from sglang_kvshare.segments.spec import KVShareAnnotation
 from sglang_kvshare.segments.wire import KEY
 
+if TYPE_CHECKING:
+    from sglang_kvshare.integration.server.host import Host
+
 
 @dataclass
 class RequestShare:
-    owner: Any  # the middleware: its output memory, tokenisation and prefills
+    owner: Host  # the middleware: its output memory, tokenisation and prefills
     ann: Optional[KVShareAnnotation] = None
     input_ids: Optional[list[int]] = None
     wire: Optional[WireSpec] = None
@@ -28,23 +31,32 @@ class RequestShare:
     def with_notes(self, record: dict) -> dict:
         """The scheduler's ``record`` with what the HTTP process adds: ``auto`` and
         ``sources_missing``."""
-        notes = {"auto": self.auto} if self.auto is not None else {}
+        notes: dict[str, Any] = {"auto": self.auto} if self.auto is not None else {}
         if self.sources_missing:
             notes["sources_missing"] = True
         return {**record, **notes} if notes else record
 
+    def annotated(self) -> tuple[KVShareAnnotation, WireSpec, list[int]]:
+        """The annotation, spec and token ids (set when the request is built, a chat request's once
+        SGLang rendered its prompt: ``ChatShare.annotate``)."""
+        if self.ann is None or self.wire is None or self.input_ids is None:
+            raise RuntimeError("kvshare: the request's annotation is not complete yet")
+        return self.ann, self.wire, self.input_ids
+
     async def prepare(self) -> WireSpec:
         """The spec to send, after the prefills the method needs."""
-        return await self.owner.prepare(self.ann, self.wire, self.input_ids)
+        ann, wire, ids = self.annotated()
+        return await self.owner.prepare(ann, wire, ids)
 
     def finish(self, answer: dict, lora_path) -> None:
         """The first choice's answer is complete: remember the agent's output tokens; ReBaseShared
         LP queues the adapter-free rebuild of an adapted turn."""
-        self.owner.remember(self.ann, answer)
+        ann, _, ids = self.annotated()
+        self.owner.remember(ann, answer)
         if self.auto is not None:
             self.owner.remember_response(self, answer)
-        if get_method(self.ann.method).lr_sharing == "rebase_lp" and lora_path is not None:
-            self.owner.queue_rebuild(self.ann, self.input_ids, answer)
+        if get_method(ann.method).lr_sharing == "rebase_lp" and lora_path is not None:
+            self.owner.queue_rebuild(ann, ids, answer)
 
 
 def in_scope(scope: dict, share: RequestShare) -> dict:
