@@ -1,3 +1,6 @@
+"""``python -m benchmarks.serving``."""
+
 from benchmarks.serving.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

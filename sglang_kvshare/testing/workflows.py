@@ -1,16 +1,73 @@
-"""Building annotated requests for a small agent workflow (shared question + earlier outputs)."""
+"""Building annotated requests for a small agent workflow (shared question + earlier outputs), the
+agents of the serving benchmark's workflows (``make_roles``), and reading the server's state back."""
 
 from __future__ import annotations
 
-QUESTION = "Question: " + " ".join(
-    f"Fact {i}: box {i} holds {3 * i} red apples and {i + 2} green pears." for i in range(24)
-) + " How many red apples are in box 5?"
+from dataclasses import replace
+
+from sglang_kvshare.workflows import Role, lora_conversation_roles
+
+QUESTION = (
+    "Question: "
+    + " ".join(f"Fact {i}: box {i} holds {3 * i} red apples and {i + 2} green pears." for i in range(24))
+    + " How many red apples are in box 5?"
+)
 
 SYSTEM = {
     "solver": "You are a careful solver. Think step by step.",
     "critic": "You are a strict critic who checks every claim of the solver.",
     "final": "You read the analyses and give the final answer only.",
 }
+
+
+SPECIALTIES = (
+    "domain expert who recalls the relevant facts",
+    "analyst who reasons step by step",
+    "critic who checks the other agents' claims",
+    "programmer who verifies the numbers with code",
+    "summariser who condenses the discussion",
+    "sceptic who looks for missing cases",
+    "planner who splits the task into steps",
+)
+
+
+def make_roles(n_agents: int, kind: str = "prompt", prefix: str = "") -> tuple[list[Role], Role]:
+    """``n_agents - 1`` task agents ``agent0..`` (distinct system prompts) and the final agent;
+    ``kind="lora"``: the three adapter agents of ``lora_conversation_roles`` (one growing chat);
+    ``kind="lora-random"``: the shipped roles' turns in a cycle, with adapters ``a0, a1, ...``.
+    ``prefix`` renames the prompt agents (other roles: ``<prefix>agent0``, ``<prefix>final``)."""
+    if kind == "lora":
+        roles = lora_conversation_roles()
+        if n_agents != len(roles.roles):
+            raise ValueError(f"--agent-kind lora has {len(roles.roles)} agents (the shipped adapters)")
+        return list(roles.task_roles), roles.final_role
+    if kind == "lora-random":
+        shipped = lora_conversation_roles().roles
+        roles = [replace(shipped[i % len(shipped)], name=f"a{i}", lora_path=f"a{i}") for i in range(n_agents)]
+        return roles[:-1], roles[-1]
+    if n_agents < 2:
+        raise ValueError("a workflow needs at least 2 agents (one task agent and the final agent)")
+    shift = 3 if prefix else 0  # other roles: other specialties too
+    task = [
+        Role(
+            name=f"{prefix}agent{i}",
+            title=f"Agent {i}",
+            system_prompt=f"You are agent {i}, a {SPECIALTIES[(i + shift) % len(SPECIALTIES)]}. Answer briefly.",
+        )
+        for i in range(n_agents - 1)
+    ]
+    final = Role(
+        name=prefix + "final",
+        title="Final",
+        glue_template="\n\n{source} answered:\n",
+        system_prompt=(
+            "You are the moderator. Weigh the answers above."
+            if prefix
+            else "You are the final decision-maker. Read the other agents and answer."
+        ),
+        closing_instruction="\n\nGive the final answer.",
+    )
+    return task, final
 
 
 def segments(
@@ -84,9 +141,12 @@ def scrape_metrics(server) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(server.url + "/metrics", timeout=30).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) if fam.name.startswith("kvshare_")
-            for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name.startswith("kvshare_")
+        for s in fam.samples
+    }
 
 
 def grew(before: dict, after: dict, name: str, **labels) -> float:

@@ -23,8 +23,9 @@ def tok(smollm2_path):
 
 
 def _workflow(server, tok, wf: str, method: str, context: int, prefix: str = "", **extra) -> list[dict]:
-    """solver -> critic -> final (benchmarks.serving's roles), each with its own system prompt."""
-    from benchmarks.serving import make_context, make_roles
+    """solver -> critic -> final (the serving benchmark's roles), each with its own system prompt."""
+    from benchmarks.serving.workload import make_context
+    from sglang_kvshare.testing.workflows import make_roles
     from sglang_kvshare.workflows import build_payload, build_segments
 
     task, final = make_roles(3, prefix=prefix)

@@ -28,7 +28,8 @@ def _first_token_kl(ours: dict, stock: dict) -> float:
 def test_nonshared_is_greedy_identical_to_stock_sglang(tmp_path, smollm2_path):
     from transformers import AutoTokenizer
 
-    from benchmarks.serving import make_context, make_roles
+    from benchmarks.serving.workload import make_context
+    from sglang_kvshare.testing.workflows import make_roles
     from sglang_kvshare.workflows import build_payload, build_segments
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)

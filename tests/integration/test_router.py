@@ -195,7 +195,7 @@ def test_unannotated_agents_are_pinned_by_the_workflow_header(cluster):
 def test_serving_benchmark_reads_each_workers_memory(cluster):
     """``benchmarks.serving --url <router>``: its memory sampler reads the workers behind the
     router (their process trees and /v1/loads), not the router process."""
-    from benchmarks.serving import MemorySampler, find_server_pid, router_worker_urls, tree_rss_mb
+    from benchmarks.serving.memory import MemorySampler, find_server_pid, router_worker_urls, tree_rss_mb
 
     assert sorted(router_worker_urls(cluster.url)) == sorted(cluster.worker_urls)
     assert router_worker_urls(cluster.worker_urls[0]) == []  # one server: no workers route

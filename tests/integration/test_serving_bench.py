@@ -1,4 +1,4 @@
-"""benchmarks/serving.py --quick against the tiny server: JSON keys, exact lengths, positive numbers."""
+"""python -m benchmarks.serving --quick against the tiny server: JSON keys, exact lengths, positive numbers."""
 
 from __future__ import annotations
 

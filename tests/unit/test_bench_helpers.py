@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
+from benchmarks.client import Percentiles
 from benchmarks.observe_stall import split_gaps, summary
-from benchmarks.serving import (
-    LORA_SERVER_ARGS,
-    make_roles,
-    merge_parts,
-    parse_args,
-    server_groups,
-    steady_throughput,
-)
+from benchmarks.serving.cli import parse_args
+from benchmarks.serving.point import steady_throughput
+from benchmarks.serving.results import CapacityRow, Part, Point, PointResult, merge_parts
+from benchmarks.serving.servers import server_groups
+from benchmarks.serving.workload import lora_server_args
+from sglang_kvshare.testing.workflows import make_roles
 
 
 def test_steady_throughput_counts_completions_after_the_first():
@@ -56,9 +57,9 @@ def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server()
     groups = server_groups(args)
     assert [(n, ms, url) for n, ms, url, _ in groups] == [
         ("lr-cache", ["nonshared", "prelr_shared"], None), ("plain-lora", ["fullshared"], None)]
-    assert groups[0][3] == list(LORA_SERVER_ARGS) + ["--max-total-tokens=8192"]
+    assert groups[0][3] == list(lora_server_args()) + ["--max-total-tokens=8192"]
     assert "--kvshare-lr-cache" in groups[0][3] and "--kvshare-lr-cache" not in groups[1][3]
-    assert groups[1][3] == [a for a in LORA_SERVER_ARGS if a != "--kvshare-lr-cache"] + ["--max-total-tokens=8192"]
+    assert groups[1][3] == [a for a in lora_server_args() if a != "--kvshare-lr-cache"] + ["--max-total-tokens=8192"]
     # generated adapters replace the shipped ones, and every one of them fits in a batch
     gen = server_groups(parse_args(["--agent-kind", "lora-random", "--methods", "prelr_shared,fullshared"]),
                         {f"a{i}": f"/x/a{i}" for i in range(8)})
@@ -87,23 +88,32 @@ def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server()
     assert [(n, url) for n, _, url, _ in attached] == [("lr-cache", "http://x:1"), ("plain-lora", "http://y:2")]
 
 
+def _blank(cls, **given):
+    """An instance of a result dataclass with every field not ``given`` None."""
+    return cls(**{f.name: None for f in fields(cls) if f.name not in given}, **given)
+
+
 def _point(ctx, methods):
-    return {"context": ctx, "rate": 0.0, "agents": 3, "rounds": 1, "ratios": {},
-            "methods": {m: {"ttft_s": {"p50": v}} for m, v in methods.items()}}
+    ttft = lambda v: Percentiles(v, v, v, v, 1)  # noqa: E731
+    return Point(ctx, 0.0, 3, 1, {m: _blank(PointResult, method=m, ttft_s=ttft(v)) for m, v in methods.items()})
 
 
 def test_merge_parts_joins_points_and_recomputes_ratios_over_all_servers():
-    part = lambda pts, cap: {"points": pts, "skipped": [], "capacity": cap, "timeline": [{"m": 1}],  # noqa: E731
-                             "scaling": {"agents": [], "rounds": []}}
+    def part(pts, cap):
+        cap = {ctx: {m: _blank(CapacityRow, wf_per_s=v) for m, v in rows.items()} for ctx, rows in cap.items()}
+        return Part(tuple(pts), (), cap, {"agents": (), "rounds": ()}, ({"m": 1},))
+
     a = part([_point(512, {"nonshared": 2.0, "prelr_shared": 0.5}), _point(256, {"nonshared": 1.0})],
-             {"512": {"nonshared": {"wf_per_s": 0.1}}})
-    b = part([_point(512, {"fullshared": 0.4})], {"512": {"fullshared": {"wf_per_s": 0.3}}})
-    m = merge_parts([a, b])
-    assert [p["context"] for p in m["points"]] == [256, 512]
-    p512 = m["points"][1]
+             {"512": {"nonshared": 0.1}})
+    b = part([_point(512, {"fullshared": 0.4})], {"512": {"fullshared": 0.3}})
+    m = merge_parts([a, b]).to_json()
+    assert [p["context"] for p in m["qps_sweep"]] == [256, 512]
+    p512 = m["qps_sweep"][1]
     assert list(p512["methods"]) == ["nonshared", "prelr_shared", "fullshared"]
     assert p512["ratios"]["fullshared"]["ttft_s.p50"] == pytest.approx(0.2)
     assert p512["ratios"]["prelr_shared"]["ttft_s.p50"] == pytest.approx(0.25)
+    assert p512["methods"]["fullshared"]["ttft_s"] == {"p50": 0.4, "p90": 0.4, "p99": 0.4, "mean": 0.4, "n": 1}
+    assert "requests_log" not in p512["methods"]["fullshared"] and "saturated" not in p512["methods"]["fullshared"]
     assert m["capacity"]["512"]["fullshared"]["vs_nonshared"] == pytest.approx(3.0)
     assert len(m["timeline"]) == 2
-    assert a["points"][0]["methods"] == {"nonshared": {"ttft_s": {"p50": 2.0}}, "prelr_shared": {"ttft_s": {"p50": 0.5}}}
+    assert list(a.points[0].methods) == ["nonshared", "prelr_shared"]  # the parts are left as they were
