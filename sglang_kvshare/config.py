@@ -22,6 +22,7 @@ GROUPS = {
         "max_error",
         "fallback",
         "fallback_block",
+        "recompute_head",
         "rank",
         "num_anchors",
         "anchor_budget_mb",
@@ -78,6 +79,11 @@ class KVShareArgs:
     )
     fallback_block: int = _flag(
         64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, docs/results.md)"
+    )
+    recompute_head: int = _flag(
+        0,
+        "rows at the start of each segment a correction method corrects (an accepted gate) that are "
+        "recomputed in the same forward, attending the agent's own prefix (beyond the papers)",
     )
     kv_views: bool = _flag(
         True,
@@ -207,6 +213,7 @@ class KVShareArgs:
             ("anchor_mem_fraction", 0.0 < self.anchor_mem_fraction < 1.0, "in (0, 1)"),
             ("anchor_pool_interval", self.anchor_pool_interval > 0.0, "> 0"),
             ("fallback_block", self.fallback_block >= 1, ">= 1"),
+            ("recompute_head", self.recompute_head >= 0, ">= 0"),
             ("leaf_rank", self.leaf_rank >= 0, ">= 0"),
             ("leaf_policy", self.leaf_policy in ("pressure", "always"), "'pressure' or 'always'"),
             ("rank", self.rank >= 1, ">= 1"),

@@ -147,8 +147,9 @@ def method_variant(label: str) -> tuple[str, dict]:
     fallback of a correction method (``+dense``; ``+rows64``: ``fallback: rows``,
     ``fallback_block: 64``; ``+rows``: the server's block size), ``+rho0.5``: the gate's reuse
     target for the request (``target_rho``), ``+copy``: later agents copy shared segments
-    instead of reading them in place (``kv_views: false``), or ``+leaf``: every accepted
-    correction a KV leaf, whatever the pool (``leaves: true``). Plain method names map to themselves;
+    instead of reading them in place (``kv_views: false``), ``+leaf``: every accepted
+    correction a KV leaf, whatever the pool (``leaves: true``), or ``+head16``: the first 16 rows
+    of an accepted correction recomputed (``recompute_head: 16``). Plain method names map to themselves;
     variants combine (``kvcmas+dense+rho0.5``)."""
     name, *variants = label.split("+")
     get_method(name)
@@ -162,10 +163,14 @@ def method_variant(label: str) -> tuple[str, dict]:
             keys["fallback"] = "dense"
         elif variant.startswith("rows") and (variant[4:] == "" or variant[4:].isdigit()):
             keys.update(fallback="rows", **({"fallback_block": int(variant[4:])} if variant[4:] else {}))
+        elif variant.startswith("head") and variant[4:].isdigit():
+            keys["recompute_head"] = int(variant[4:])
         elif variant.startswith("rho") and _is_number(variant[3:]):
             keys["target_rho"] = float(variant[3:])
         else:
-            raise KeyError(f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX, copy or leaf)")
+            raise KeyError(
+                f"unknown variant {variant!r} of method {name!r} (dense, rows, rowsN, rhoX, headN, copy or leaf)"
+            )
     return name, keys
 
 

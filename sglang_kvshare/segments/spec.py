@@ -44,6 +44,7 @@ class KVShareAnnotation:
     target_rho: Optional[float] = None
     fallback: Optional[str] = None  # "dense" | "rows" (None: the server's)
     fallback_block: Optional[int] = None
+    recompute_head: Optional[int] = None  # rows at the start of an accepted correction recomputed
     kv_views: Optional[bool] = None  # False: copy shared segments even where views run (None: the server's)
     # an accepted correction as a KV leaf: True always, False never (None: --kvshare-leaf-policy)
     leaves: Optional[bool] = None
@@ -71,6 +72,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         "target_rho",
         "fallback",
         "fallback_block",
+        "recompute_head",
         "kv_views",
         "leaves",
     }
@@ -148,6 +150,9 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
     block = raw.get("fallback_block")
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise AnnotationError(f"kvshare.fallback_block must be an integer >= 1, got {block!r}")
+    head = raw.get("recompute_head")
+    if head is not None and (isinstance(head, bool) or not isinstance(head, int) or head < 0):
+        raise AnnotationError(f"kvshare.recompute_head must be an integer >= 0, got {head!r}")
     kv_views = raw.get("kv_views")
     if kv_views is not None and not isinstance(kv_views, bool):
         raise AnnotationError(f"kvshare.kv_views must be true or false, got {kv_views!r}")
@@ -165,6 +170,7 @@ def parse_annotation(raw: Any, default_method: str) -> KVShareAnnotation:
         target_rho=None if target_rho is None else float(target_rho),
         fallback=fallback,
         fallback_block=block,
+        recompute_head=head,
         kv_views=kv_views,
         leaves=leaves,
     )
@@ -234,6 +240,7 @@ class WireSpec:
     target_rho: Optional[float] = None
     fallback: Optional[str] = None
     fallback_block: Optional[int] = None
+    recompute_head: Optional[int] = None
     kv_views: Optional[bool] = None
     leaves: Optional[bool] = None
     # tokens prefilled for this request's context-free reference caches (charged to it)

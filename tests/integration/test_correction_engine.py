@@ -173,9 +173,32 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
     assert dense["segments"][1]["mode"] == "dense_fallback" and "block_entropies" not in dense["segments"][1]
 
 
+def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
+    """``recompute_head``: an accepted correction's first rows are recomputed in the forward,
+    attending the agent's own prefix, so their K/V are a dense prefill's (the correction's are
+    not); the other rows keep the correction; the request is charged the recomputed rows."""
+    slot, agents, head = "q-head", ("solver", "critic"), 8
+    for seed in (61, 62):
+        _workflow(tiny_server, f"head-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
+    probe = _workflow(tiny_server, "head-probe", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False)[1]
+    q = probe["segments"][1]
+    assert q["mode"] == "corrected" and "recomputed_head" not in q and "recomputed_rows" not in q
+    meta = _workflow(tiny_server, "head-run", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False,
+                     recompute_head=head)[1]
+    q = meta["segments"][1]
+    assert q["mode"] == "corrected" and q["recomputed_head"] == head and q["recomputed_rows"] == head, json.dumps(q)
+    assert q["injected_tokens"] == q["tokens"] - head
+    _workflow(tiny_server, "head-dense", "nonshared", _question(63), agents, slot)
+    err_probe, probe_kv = _rows_error(tiny_server, "head-probe", "critic", slot, "head-dense")
+    err_run, run_kv = _rows_error(tiny_server, "head-run", "critic", slot, "head-dense")
+    assert float(err_probe[:head].sum()) > 0
+    assert float(err_run[:head].sum()) < 0.01 * float(err_probe[:head].sum()), (err_run[:head], err_probe[:head])
+    assert torch.equal(run_kv["v"][:, head:], probe_kv["v"][:, head:])
+
+
 def test_bad_fallback_values_get_a_clear_error(tiny_server):
     for extra, named in (({"fallback": "partial"}, "kvshare.fallback"), ({"fallback_block": 0}, "kvshare.fallback_block"),
-                         ({"fallback_block": 1.5}, "kvshare.fallback_block")):
+                         ({"fallback_block": 1.5}, "kvshare.fallback_block"), ({"recompute_head": -2}, "kvshare.recompute_head")):
         r = tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2, **extra))
         assert r.status_code == 400 and named in r.text, r.text
     assert tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2)).status_code == 200

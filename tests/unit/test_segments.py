@@ -31,6 +31,8 @@ def test_parse_defaults_method_and_keeps_order():
     (_ann(recompute_ratio=1.5), "recompute_ratio"),
     (_ann(kv_views="off"), "kv_views must be true or false"),
     (_ann(leaves="always"), "leaves must be true or false"),
+    (_ann(recompute_head=-1), "recompute_head must be an integer >= 0"),
+    (_ann(recompute_head=True), "recompute_head must be an integer >= 0"),
 ])
 def test_bad_annotations_name_the_problem(raw, message):
     with pytest.raises(AnnotationError, match=message):
@@ -116,7 +118,7 @@ def test_cli_flags_come_from_the_dataclass():
 
 
 @pytest.mark.parametrize("flag,value", [("--kvshare-lp-stash-columns", "-1"), ("--kvshare-target-rho", "1.5"),
-                                        ("--kvshare-num-anchors", "0")])
+                                        ("--kvshare-num-anchors", "0"), ("--kvshare-recompute-head", "-1")])
 def test_bad_flag_values_get_an_error_naming_the_flag(flag, value):
     import argparse
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from sglang_kvshare.correction import SegmentKV
-from sglang_kvshare.correction.base import apply_delta
+from sglang_kvshare.correction.base import apply_delta, relative_error, with_head
 from sglang_kvshare.integration.cache.kv_io import (
     InjectResult,
     alloc_slots,
@@ -148,11 +148,14 @@ def correct_segment(
             record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        rejected = result.rejected_rows
+        head = min(ses.recompute_head(st.spec), result.corrected_len) if result.accepted else 0
+        rejected = with_head(result.rejected_rows, head)
+        if head:
+            record["recomputed_head"] = head
         if rejected:
             unsupported_reason = unsupported(ses, scheduler)
             if unsupported_reason is None:  # the segment enters the next extend as a job
-                _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool)
+                _recompute_rows(ses, st, index, span, rec, source, reference, result, rejected, num_tokens, rope, pool)
                 return None
             record["rows_fallback"] = unsupported_reason  # the segment is prefilled densely instead
         shadow = (
@@ -236,18 +239,17 @@ def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool
     return views.read_in_place(st, slots, torch.arange(rec.start, rec.start + n), rec.agent)
 
 
-def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_tokens, rope, pool) -> None:
-    """Partial fallback: the corrected segment enters the next extend as a recompute job whose
-    rejected blocks run every layer, attending the corrected rows before them. Once the request
+def _recompute_rows(ses, st, index, span, rec, source, reference, result, rows, num_tokens, rope, pool) -> None:
+    """Partial fallback and head rows: the corrected segment enters the next extend as a recompute
+    job whose row ranges ``rows`` (rejected blocks, ``--kvshare-recompute-head``) run every layer,
+    attending the corrected rows before them. Once the request
     is released its K/V (corrected and recomputed rows) are observed like a dense fallback's,
     with probability the recomputed fraction: the observer (a factorisation of the whole
     segment) then runs about as often per recomputed row as under the dense fallback."""
     kv = apply_delta(reference or source, source, result.delta, result.corrected_len)
     head_dim = next(kv_layers(pool))[0].shape[-1]
-    job = rows_job(
-        span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), result.rejected_rows, rope, head_dim
-    )
-    recomputed = sum(hi - lo for lo, hi in result.rejected_rows)
+    job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), rows, rope, head_dim)
+    recomputed = sum(hi - lo for lo, hi in rows)
     st.corrections[index]["recomputed_rows"] = recomputed
     st.jobs[index] = job
     st.modes[index] = "corrected"
@@ -257,13 +259,6 @@ def _recompute_rows(ses, st, index, span, rec, source, reference, result, num_to
     st.corrections[index]["observed"] = observed
     if observed:
         st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)
-
-
-def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
-    """||approx - exact||_F / ||exact||_F over keys and values together."""
-    num = (approx.k.float() - exact.k.float()).square().sum() + (approx.v.float() - exact.v.float()).square().sum()
-    den = exact.k.float().square().sum() + exact.v.float().square().sum()
-    return float((num / den.clamp_min(1e-30)).sqrt())
 
 
 def observe_fallbacks(ses, tree, req, st, rope: RopeSpec, owned: int) -> None:

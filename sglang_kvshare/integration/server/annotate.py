@@ -82,6 +82,7 @@ class AnnotationMixin:
             target_rho=ann.target_rho,
             fallback=ann.fallback,
             fallback_block=ann.fallback_block,
+            recompute_head=ann.recompute_head,
             kv_views=ann.kv_views,
             leaves=ann.leaves,
         )

@@ -145,6 +145,10 @@ class Session:
             return None
         return spec.fallback_block or self.args.fallback_block
 
+    def recompute_head(self, spec) -> int:
+        """Rows at the start of an accepted correction recomputed (annotation, else the server's)."""
+        return self.args.recompute_head if spec.recompute_head is None else spec.recompute_head
+
     def tau_controller(self, name: str, target_rho: Optional[float] = None):
         """The gate threshold controller of method ``name`` for a reuse target (None: the
         server's ``--kvshare-target-rho``, or a fixed tau when that is -1)."""
