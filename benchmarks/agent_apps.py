@@ -59,8 +59,11 @@ APPS = {
 SETUPS = {
     "plain": {"apps": {app: [] for app in APPS}},
     "kvcmas": {"flags": ["--kvshare-auto", "kvcmas"], "apps": {app: [] for app in APPS}, "method": "kvcmas"},
-    "fullshared": {"flags": ["--kvshare-auto", "fullshared"], "apps": {app: [] for app in APPS},
-                   "method": "fullshared"},
+    "fullshared": {
+        "flags": ["--kvshare-auto", "fullshared"],
+        "apps": {app: [] for app in APPS},
+        "method": "fullshared",
+    },
     "annotated": {"flags": [], "apps": {"langgraph": ["--annotate", "kvcmas"]}, "method": "kvcmas"},
 }
 
@@ -70,17 +73,34 @@ def start(name: str, log_dir: Path) -> Server:
         from sglang_kvshare.assets import ensure_default_model
 
         return stock_server(ensure_default_model(), log_dir / "plain.log", timeout=900)
-    return Server(["-m", "sglang_kvshare.launch_server", "--enable-metrics", *SETUPS[name]["flags"]],
-                  log_dir / f"{name}.log", timeout=900)
+    return Server(
+        ["-m", "sglang_kvshare.launch_server", "--enable-metrics", *SETUPS[name]["flags"]],
+        log_dir / f"{name}.log",
+        timeout=900,
+    )
 
 
-def run_app(python: str, app: str, server: Server, flags: list[str], seeds: range, words: int,
-            max_tokens: int, bar) -> list[dict]:
+def run_app(
+    python: str, app: str, server: Server, flags: list[str], seeds: range, words: int, max_tokens: int, bar
+) -> list[dict]:
     """Workflows ``seeds`` of ``app``, one after another (one JSON line each)."""
     script, *app_flags = APPS[app]
-    cmd = [python, str(ROOT / "examples" / script), *app_flags, "--base-url", server.url + "/v1", "--first-seed",
-           str(seeds.start), "--workflows", str(len(seeds)), "--words", str(words), "--max-tokens", str(max_tokens),
-           *flags]
+    cmd = [
+        python,
+        str(ROOT / "examples" / script),
+        *app_flags,
+        "--base-url",
+        server.url + "/v1",
+        "--first-seed",
+        str(seeds.start),
+        "--workflows",
+        str(len(seeds)),
+        "--words",
+        str(words),
+        "--max-tokens",
+        str(max_tokens),
+        *flags,
+    ]
     out = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         for line in proc.stdout:
@@ -94,23 +114,32 @@ def run_app(python: str, app: str, server: Server, flags: list[str], seeds: rang
 def summarise(runs: list[dict]) -> dict:
     first = [r["agents"][0]["ttft_s"] for r in runs]
     later = [a["ttft_s"] for r in runs for a in r["agents"][1:]]
-    return {"workflows": len(runs), "first_ttft_p50_s": statistics.median(first),
-            "later_ttft_p50_s": statistics.median(later), "later_ttft_s": later}
+    return {
+        "workflows": len(runs),
+        "first_ttft_p50_s": statistics.median(first),
+        "later_ttft_p50_s": statistics.median(later),
+        "later_ttft_s": later,
+    }
 
 
 def counters(server: Server, method: str) -> dict:
     """The ``kvshare_*`` counters the summary reads (a snapshot)."""
     m = scrape_metrics(server)
-    return {"injected": m.get(("kvshare_injected_tokens_total", (("method", method),)), 0.0),
-            "later_prompt": m.get(("kvshare_auto_prompt_tokens_total", (("turn", "later"),)), 0.0),
-            "detected": sum(m.get(("kvshare_detected_tokens_total", (("kind", k),)), 0.0) for k in ("prompt", "output")),
-            "detect_s": m.get(("kvshare_detect_seconds_sum", ()), 0.0),
-            "detect_n": m.get(("kvshare_detect_seconds_count", ()), 0.0)}
+    return {
+        "injected": m.get(("kvshare_injected_tokens_total", (("method", method),)), 0.0),
+        "later_prompt": m.get(("kvshare_auto_prompt_tokens_total", (("turn", "later"),)), 0.0),
+        "detected": sum(m.get(("kvshare_detected_tokens_total", (("kind", k),)), 0.0) for k in ("prompt", "output")),
+        "detect_s": m.get(("kvshare_detect_seconds_sum", ()), 0.0),
+        "detect_n": m.get(("kvshare_detect_seconds_count", ()), 0.0),
+    }
 
 
 def measure(args, log_dir: Path, python: str) -> dict:
-    setups = {n: dict(s, apps={a: f for a, f in s["apps"].items() if a in args.apps})
-              for n, s in SETUPS.items() if n in args.servers}
+    setups = {
+        n: dict(s, apps={a: f for a, f in s["apps"].items() if a in args.apps})
+        for n, s in SETUPS.items()
+        if n in args.servers
+    }
     setups = {n: s for n, s in setups.items() if s["apps"]}
     total = sum(len(s["apps"]) * (warmups(args, n) + args.workflows) for n, s in setups.items())
     results: dict = {}
@@ -121,8 +150,16 @@ def measure(args, log_dir: Path, python: str) -> dict:
             try:
                 for app, flags in setup["apps"].items():
                     bar.set_description(f"{name} {app} warm-up")
-                    run_app(python, app, server, flags, range(10_000, 10_000 + warmups(args, name)), args.words,
-                            args.max_tokens, bar)
+                    run_app(
+                        python,
+                        app,
+                        server,
+                        flags,
+                        range(10_000, 10_000 + warmups(args, name)),
+                        args.words,
+                        args.max_tokens,
+                        bar,
+                    )
                     method = setup.get("method")
                     before = counters(server, method) if method else {}
                     bar.set_description(f"{name} {app}")
@@ -153,17 +190,24 @@ def warmups(args, name: str) -> int:
 
 
 def markdown(results: dict, args) -> str:
-    lines = [f"Reports of {args.words} words (~{round(args.words * 1.8, -2):.0f} tokens, SmolLM2 tokenizer), "
-             f"{args.warmup} warm-up (stock: {min(args.warmup, 2)}) + {args.workflows} measured workflows per app "
-             f"and server, max_tokens {args.max_tokens}; {platform.processor() or platform.machine()}, CPU.", "",
-             "| app | server | first-agent TTFT p50 s | later-agent TTFT p50 s | vs plain | reuse | accepted |"
-             " detection ms |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Reports of {args.words} words (~{round(args.words * 1.8, -2):.0f} tokens, SmolLM2 tokenizer), "
+        f"{args.warmup} warm-up (stock: {min(args.warmup, 2)}) + {args.workflows} measured workflows per app "
+        f"and server, max_tokens {args.max_tokens}; {platform.processor() or platform.machine()}, CPU.",
+        "",
+        "| app | server | first-agent TTFT p50 s | later-agent TTFT p50 s | vs plain | reuse | accepted |"
+        " detection ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for app, by in results.items():
         for name, r in by.items():
             vs = f"{r['later_ttft_vs_plain']:.2f}x" if "later_ttft_vs_plain" in r else ""
             extra = [f"{r[k]:.2f}" if k in r else "" for k in ("reuse", "accepted", "detect_ms_mean")]
-            lines.append(f"| {app} | {name} | {r['first_ttft_p50_s']:.2f} | {r['later_ttft_p50_s']:.2f} | {vs} | "
-                         + " | ".join(extra) + " |")
+            lines.append(
+                f"| {app} | {name} | {r['first_ttft_p50_s']:.2f} | {r['later_ttft_p50_s']:.2f} | {vs} | "
+                + " | ".join(extra)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ transformers on the default model, float32, no server.
 
     python -m benchmarks.correction_precision [N_ANCHORS] [TOKENS]
 """
+
 import json
 import statistics
 import sys
@@ -51,8 +52,13 @@ def main():
         corrected[name] = r.kv
         rows[name] = {"correct_s": statistics.median(times), "entropy": r.entropy, "err_vs_dense": err(r.kv, target)}
     a, b = corrected.values()
-    out = {"anchors": n_anchors, "tokens": tokens, "uncorrected_err_vs_dense": err(source, target),
-           "settings": rows, "corrected_rel_diff": err(b, a)}
+    out = {
+        "anchors": n_anchors,
+        "tokens": tokens,
+        "uncorrected_err_vs_dense": err(source, target),
+        "settings": rows,
+        "corrected_rel_diff": err(b, a),
+    }
     print(json.dumps(out, indent=1))
     print("\n| setting | correct() s | entropy | err vs dense |\n|---|---:|---:|---:|")
     for name, r in rows.items():

@@ -71,8 +71,11 @@ def prefill_ms(url: str, ids: list[int], repeats: int) -> float:
     times = []
     for r in range(repeats + 1):
         t0 = time.perf_counter()
-        out = requests.post(url + "/generate", timeout=600, json={
-            "input_ids": [r] + ids[1:], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        out = requests.post(
+            url + "/generate",
+            timeout=600,
+            json={"input_ids": [r] + ids[1:], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+        )
         out.raise_for_status()
         if r:  # the first one warms up
             times.append(1000 * (time.perf_counter() - t0))
@@ -96,7 +99,7 @@ def main(argv=None) -> None:
     rng = random.Random(0)
     document, _ = report(0, 6000)
     lines = document.splitlines()
-    chunks = ["\n".join(lines[i:i + 6]) for i in range(0, len(lines), 6)]
+    chunks = ["\n".join(lines[i : i + 6]) for i in range(0, len(lines), 6)]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         server = stock_server(model, Path(d) / "stock.log", timeout=900)
@@ -105,19 +108,33 @@ def main(argv=None) -> None:
                 index = TokenIndex(64, 1 << 22, 1 << 24, 4)
                 for k in range(args.earlier):
                     ids = prompt_of(tok, chunks, rng, n)
-                    index.add("scope", Entry(f"seq:{k}", f"agent{k % 4}", "prompt", 0, ids,
-                                             [(0, len(ids), f"ctx:agent{k % 4}:1")]))
+                    index.add(
+                        "scope",
+                        Entry(f"seq:{k}", f"agent{k % 4}", "prompt", 0, ids, [(0, len(ids), f"ctx:agent{k % 4}:1")]),
+                    )
                 ids = prompt_of(tok, chunks, rng, n)
                 det, pre = detect_ms(tok, index, ids, args.repeats), prefill_ms(server.url, ids, args.repeats)
-                rows.append({"prompt_tokens": len(ids), "earlier_requests": args.earlier,
-                             "index_tokens": index.tokens, "detect_ms": round(det, 2), "prefill_ms": round(pre, 1),
-                             "detect_vs_prefill": det / pre})
+                rows.append(
+                    {
+                        "prompt_tokens": len(ids),
+                        "earlier_requests": args.earlier,
+                        "index_tokens": index.tokens,
+                        "detect_ms": round(det, 2),
+                        "prefill_ms": round(pre, 1),
+                        "detect_vs_prefill": det / pre,
+                    }
+                )
         finally:
             server.stop()
-    lines_md = ["| prompt tokens | earlier requests | index tokens | detection ms | stock prefill ms | detection / prefill |",
-                "|---|---|---|---|---|---|"]
-    lines_md += [f"| {r['prompt_tokens']} | {r['earlier_requests']} | {r['index_tokens']} | {r['detect_ms']:.1f} | "
-                 f"{r['prefill_ms']:.0f} | {100 * r['detect_vs_prefill']:.2f} % |" for r in rows]
+    lines_md = [
+        "| prompt tokens | earlier requests | index tokens | detection ms | stock prefill ms | detection / prefill |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines_md += [
+        f"| {r['prompt_tokens']} | {r['earlier_requests']} | {r['index_tokens']} | {r['detect_ms']:.1f} | "
+        f"{r['prefill_ms']:.0f} | {100 * r['detect_vs_prefill']:.2f} % |"
+        for r in rows
+    ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"argv": vars(args), "rows": rows}, indent=1))

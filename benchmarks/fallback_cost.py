@@ -51,15 +51,20 @@ def later_turn(server: Server, session: requests.Session, context: str, wf: str,
     method, extra = ARMS[arm]
     outputs: dict = {}
     for agent in AGENTS:
-        body = payload(wf, agent, method, segments(agent, outputs, question=context), output_len,
-                       **(extra if outputs else {}))
+        body = payload(
+            wf, agent, method, segments(agent, outputs, question=context), output_len, **(extra if outputs else {})
+        )
         body["sampling_params"]["ignore_eos"] = True
         r = stream_generate(session, server.url, body, timeout=1800)
         outputs[agent] = r["text"]
     kv = r["meta"]["kvshare"]
-    return {"ttft_s": r["ttft_s"], "computed_tokens": kv["computed_tokens"], "prompt_tokens": kv["prompt_tokens"],
-            "gates": [s.get("gate") for s in kv.get("segments", []) if "gate" in s],
-            "recomputed_rows": kv.get("recomputed_rows", 0)}
+    return {
+        "ttft_s": r["ttft_s"],
+        "computed_tokens": kv["computed_tokens"],
+        "prompt_tokens": kv["prompt_tokens"],
+        "gates": [s.get("gate") for s in kv.get("segments", []) if "gate" in s],
+        "recomputed_rows": kv.get("recomputed_rows", 0),
+    }
 
 
 def summarise(turns: dict) -> dict:
@@ -68,22 +73,30 @@ def summarise(turns: dict) -> dict:
     out = {}
     for arm, ts in turns.items():
         ttft = [t["ttft_s"] for t in ts]
-        out[arm] = {"ttft_median_s": round(med(ttft), 3), "ttft_max_s": round(top(ttft), 3),
-                    "vs_nonshared": round(med(ttft) / med(base), 3),
-                    "max_vs_nonshared_max": round(top(ttft) / top(base), 3),
-                    "computed_tokens": med(t["computed_tokens"] for t in ts),
-                    "gates": [g for t in ts for g in t["gates"]]}
+        out[arm] = {
+            "ttft_median_s": round(med(ttft), 3),
+            "ttft_max_s": round(top(ttft), 3),
+            "vs_nonshared": round(med(ttft) / med(base), 3),
+            "max_vs_nonshared_max": round(top(ttft) / top(base), 3),
+            "computed_tokens": med(t["computed_tokens"] for t in ts),
+            "gates": [g for t in ts for g in t["gates"]],
+        }
     return out
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Later-agent TTFT by arm: {res['config']}", "",
-             "| arm | TTFT median s | vs nonshared | max s | max vs nonshared's max | tokens computed (median) | gates |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Later-agent TTFT by arm: {res['config']}",
+        "",
+        "| arm | TTFT median s | vs nonshared | max s | max vs nonshared's max | tokens computed (median) | gates |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for arm, s in res["summary"].items():
         gates = ", ".join(f"{g} {s['gates'].count(g)}" for g in sorted(set(s["gates"]))) or "-"
-        lines.append(f"| {arm} | {s['ttft_median_s']:.2f} | {s['vs_nonshared']:.2f} | {s['ttft_max_s']:.2f} | "
-                     f"{s['max_vs_nonshared_max']:.2f} | {s['computed_tokens']:.0f} | {gates} |")
+        lines.append(
+            f"| {arm} | {s['ttft_median_s']:.2f} | {s['vs_nonshared']:.2f} | {s['ttft_max_s']:.2f} | "
+            f"{s['max_vs_nonshared_max']:.2f} | {s['computed_tokens']:.0f} | {gates} |"
+        )
     return "\n".join(lines)
 
 
@@ -107,17 +120,21 @@ def main(argv=None) -> None:
         try:
             with requests.Session() as session:
                 for k in range(args.contexts):
-                    for arm in (list(ARMS) if k % 2 == 0 else list(ARMS)[::-1]):
+                    for arm in list(ARMS) if k % 2 == 0 else list(ARMS)[::-1]:
                         bar.set_description(f"context {k + 1}/{args.contexts}: {arm}")
                         settle(server)
                         wf = f"cost-{k}-{arm}"
-                        turns[arm].append(later_turn(server, session, make_context(tok, args.context, wf), wf, arm,
-                                                     args.output_len))
+                        turns[arm].append(
+                            later_turn(server, session, make_context(tok, args.context, wf), wf, arm, args.output_len)
+                        )
                         bar.update()
         finally:
             server.stop()
-    res = {"config": {**vars(args), "out": str(args.out), "minutes": round((time.time() - t0) / 60, 1)},
-           "summary": summarise(turns), "turns": turns}
+    res = {
+        "config": {**vars(args), "out": str(args.out), "minutes": round((time.time() - t0) / 60, 1)},
+        "summary": summarise(turns),
+        "turns": turns,
+    }
     save(args.out, res, markdown(res))
 
 

@@ -3,10 +3,7 @@ Triton kernel against its torch reference (CUDA only; moved out of the kernel mo
 
 import torch
 
-from sglang_kvshare.kernels.flash_lora_attention import (
-    flash_lora_attention_reference,
-    flash_lora_attention_triton,
-)
+from sglang_kvshare.kernels.flash_lora_attention import flash_lora_attention_reference, flash_lora_attention_triton
 
 
 def benchmark(num_req: int = 8, prefix_len: int = 2048, q_len: int = 1, rank: int = 8) -> None:
@@ -24,8 +21,7 @@ def benchmark(num_req: int = 8, prefix_len: int = 2048, q_len: int = 1, rank: in
     kvp = torch.arange(num_req + 1, device=dev, dtype=torch.int32) * (prefix_len + q_len)
     agent = torch.arange(num_req, device=dev, dtype=torch.int32) % n_agents
     args = (q, k_buf, v_buf, kv_indices, qo, kvp, lr_buf, B_v, agent)
-    for name, fn in (("triton", flash_lora_attention_triton),
-                     ("torch", flash_lora_attention_reference)):
+    for name, fn in (("triton", flash_lora_attention_triton), ("torch", flash_lora_attention_reference)):
         ms = triton.testing.do_bench(lambda: fn(*args, max_q_len=q_len))
         print(f"{name:7s} reqs={num_req} prefix={prefix_len} q_len={q_len} r={rank}: {ms:.3f} ms")
 

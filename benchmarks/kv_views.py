@@ -53,23 +53,45 @@ AGENTS = {
 }
 
 
-def workflow(server: Server, session: requests.Session, context: str, wf: str, agents: list[str],
-             output_len: int, views: bool, method: str = "fullshared") -> dict:
+def workflow(
+    server: Server,
+    session: requests.Session,
+    context: str,
+    wf: str,
+    agents: list[str],
+    output_len: int,
+    views: bool,
+    method: str = "fullshared",
+) -> dict:
     flush_cache(server)
     outputs, turns = {}, []
     for agent in agents:
-        body = payload(wf, agent, method, segments(agent, outputs, AGENTS[agent], question=context), output_len,
-                       kv_views=views, leaves=views)
+        body = payload(
+            wf,
+            agent,
+            method,
+            segments(agent, outputs, AGENTS[agent], question=context),
+            output_len,
+            kv_views=views,
+            leaves=views,
+        )
         body["sampling_params"]["ignore_eos"] = True
         r = stream_generate(session, server.url, body, timeout=1800)
         meta = r["meta"]
         n = meta.get("completion_tokens", output_len)
-        turns.append({"agent": agent, "text": r["text"], "ttft_s": r["ttft_s"],
-                      "decode_tok_s": (n - 1) / max(r["e2e_s"] - r["ttft_s"], 1e-9),
-                      "inject_ms": meta["kvshare"].get("inject_ms"), "view_tokens": meta["kvshare"]["view_tokens"],
-                      "injected_tokens": meta["kvshare"]["injected_tokens"],
-                      "prompt_tokens": meta["kvshare"]["prompt_tokens"],
-                      **_correction(meta["kvshare"])})
+        turns.append(
+            {
+                "agent": agent,
+                "text": r["text"],
+                "ttft_s": r["ttft_s"],
+                "decode_tok_s": (n - 1) / max(r["e2e_s"] - r["ttft_s"], 1e-9),
+                "inject_ms": meta["kvshare"].get("inject_ms"),
+                "view_tokens": meta["kvshare"]["view_tokens"],
+                "injected_tokens": meta["kvshare"]["injected_tokens"],
+                "prompt_tokens": meta["kvshare"]["prompt_tokens"],
+                **_correction(meta["kvshare"]),
+            }
+        )
         outputs[agent] = r["text"]
     return {"turns": turns, "tree_tokens": settle(server)["tree_tokens"]}
 
@@ -79,13 +101,24 @@ def _correction(kv: dict) -> dict:
     bytes, and the modes of its shared segments."""
     segs = [s for s in kv["segments"] if "corrected_rows" in s]
     rows = sum(s["corrected_rows"] for s in segs if s["mode"] == "corrected")
-    return {"correction_ms": kv.get("correction_ms", 0.0), "corrected_rows": rows,
-            "copy_bytes": rows * kv.get("kv_bytes_per_token", 0), "leaf_bytes": sum(s.get("leaf_bytes", 0) for s in segs),
-            "modes": [s["mode"] for s in segs]}
+    return {
+        "correction_ms": kv.get("correction_ms", 0.0),
+        "corrected_rows": rows,
+        "copy_bytes": rows * kv.get("kv_bytes_per_token", 0),
+        "leaf_bytes": sum(s.get("leaf_bytes", 0) for s in segs),
+        "modes": [s["mode"] for s in segs],
+    }
 
 
-def run_modes(contexts: list[str], agents: list[str], output_len: int, log_dir: Path, bar, method: str = "fullshared",
-              warmup: int = 1) -> dict:
+def run_modes(
+    contexts: list[str],
+    agents: list[str],
+    output_len: int,
+    log_dir: Path,
+    bar,
+    method: str = "fullshared",
+    warmup: int = 1,
+) -> dict:
     """mode ("on", "off") -> the measured workflows (the first ``warmup`` contexts warm the
     engine, and a correction method's anchor pools, up)."""
     bar.set_description("starting the server")
@@ -94,9 +127,13 @@ def run_modes(contexts: list[str], agents: list[str], output_len: int, log_dir: 
     try:
         with requests.Session() as session:
             for k, context in enumerate(contexts):
-                for mode in (("on", "off") if k % 2 == 0 else ("off", "on")):
-                    bar.set_description(f"workflow {k + 1}/{len(contexts)}, views {mode}" + (" (warm-up)" if k < warmup else ""))
-                    run = workflow(server, session, context, f"views-{mode}-{k}", agents, output_len, mode == "on", method)
+                for mode in ("on", "off") if k % 2 == 0 else ("off", "on"):
+                    bar.set_description(
+                        f"workflow {k + 1}/{len(contexts)}, views {mode}" + (" (warm-up)" if k < warmup else "")
+                    )
+                    run = workflow(
+                        server, session, context, f"views-{mode}-{k}", agents, output_len, mode == "on", method
+                    )
                     if k >= warmup:
                         runs[mode].append(run)
                     bar.update()
@@ -119,27 +156,40 @@ def summarise(runs: list[dict]) -> dict:
         "correction_ms_per_later_agent": med(t["correction_ms"] for t in later),
         "corrected_later_agents": sum(t["corrected_rows"] > 0 for t in later),
         "later_agents": len(later),
-        "correction_bytes_per_corrected_agent": med([t["leaf_bytes"] or t["copy_bytes"] for t in later
-                                                     if t["corrected_rows"]] or [0]),
+        "correction_bytes_per_corrected_agent": med(
+            [t["leaf_bytes"] or t["copy_bytes"] for t in later if t["corrected_rows"]] or [0]
+        ),
     }
 
 
 def markdown(res: dict) -> str:
-    s, rows = res["summary"], [
-        ("KV tokens the tree holds per finished workflow", "tree_tokens_per_workflow", "{:.0f}"),
-        ("tokens read through a view per workflow", "view_tokens_per_workflow", "{:.0f}"),
-        ("injection time per later agent, ms (scheduler)", "inject_ms_per_later_agent", "{:.2f}"),
-        ("later-agent TTFT, s", "later_ttft_s", "{:.3f}"),
-        ("later-agent decode, tokens/s", "later_decode_tok_s", "{:.1f}"),
-        ("first-agent decode, tokens/s (no view in either mode)", "first_decode_tok_s", "{:.1f}"),
-    ]
+    s, rows = (
+        res["summary"],
+        [
+            ("KV tokens the tree holds per finished workflow", "tree_tokens_per_workflow", "{:.0f}"),
+            ("tokens read through a view per workflow", "view_tokens_per_workflow", "{:.0f}"),
+            ("injection time per later agent, ms (scheduler)", "inject_ms_per_later_agent", "{:.2f}"),
+            ("later-agent TTFT, s", "later_ttft_s", "{:.3f}"),
+            ("later-agent decode, tokens/s", "later_decode_tok_s", "{:.1f}"),
+            ("first-agent decode, tokens/s (no view in either mode)", "first_decode_tok_s", "{:.1f}"),
+        ],
+    )
     if res["config"].get("method", "fullshared") != "fullshared":
         rows[2] = ("correction time per later agent, ms (scheduler)", "correction_ms_per_later_agent", "{:.1f}")
-        rows += [("bytes of a corrected agent's correction (leaf / corrected copy)",
-                  "correction_bytes_per_corrected_agent", "{:.0f}"),
-                 ("later agents with an accepted correction", "corrected_later_agents", "{:.0f}")]
-    lines = [f"KV views vs copy mode: {res['config']}", "",
-             "| median | views on | copy mode | views / copy |", "|---|---:|---:|---:|"]
+        rows += [
+            (
+                "bytes of a corrected agent's correction (leaf / corrected copy)",
+                "correction_bytes_per_corrected_agent",
+                "{:.0f}",
+            ),
+            ("later agents with an accepted correction", "corrected_later_agents", "{:.0f}"),
+        ]
+    lines = [
+        f"KV views vs copy mode: {res['config']}",
+        "",
+        "| median | views on | copy mode | views / copy |",
+        "|---|---:|---:|---:|",
+    ]
     for label, key, fmt in rows:
         on, off = s["on"][key], s["off"][key]
         ratio = f"{on / off:.3f}" if off else "-"
@@ -164,7 +214,7 @@ def main(argv=None) -> None:
 
     tok = AutoTokenizer.from_pretrained(ensure_default_model())
     contexts = [make_context(tok, args.context, f"views-{k}") for k in range(args.workflows + args.warmup)]
-    agents = list(AGENTS)[-args.agents:]
+    agents = list(AGENTS)[-args.agents :]
     t0 = time.time()
     with tempfile.TemporaryDirectory() as logs, tqdm(total=2 * len(contexts)) as bar:
         runs = run_modes(contexts, agents, args.output_len, Path(logs), bar, args.method, args.warmup)

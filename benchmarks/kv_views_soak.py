@@ -66,8 +66,9 @@ def one_workflow(url: str, k: int, counter, rng: random.Random) -> list:
     return outcomes
 
 
-def soak(server, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0,
-         pid: Optional[int] = None, bar=None) -> dict:
+def soak(
+    server, n_requests: int, every: int = 100, concurrency: int = 4, seed: int = 0, pid: Optional[int] = None, bar=None
+) -> dict:
     """Run about ``n_requests`` requests against ``server`` (a ``sglang_kvshare.testing.server.Server``);
     returns outcomes, RSS samples and the final ``kvshare`` state (after a flush)."""
     url = server.url
@@ -75,7 +76,9 @@ def soak(server, n_requests: int, every: int = 100, concurrency: int = 4, seed: 
     workflows = -(-n_requests // len(AGENTS))
     outcomes, rss = [], []
     with ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(one_workflow, url, k, counter, random.Random(seed * 100003 + k)) for k in range(workflows)]
+        futures = [
+            pool.submit(one_workflow, url, k, counter, random.Random(seed * 100003 + k)) for k in range(workflows)
+        ]
         for k, f in enumerate(futures):
             outcomes += f.result()
             if bar is not None:
@@ -84,15 +87,24 @@ def soak(server, n_requests: int, every: int = 100, concurrency: int = 4, seed: 
                 rss.append(tree_rss_mb(pid))
     flush_cache(server)
     state = settle(server)
-    return {"requests": len(outcomes), "ok": outcomes.count(200), "left": outcomes.count("left"),
-            "other": [o for o in outcomes if o not in (200, "left")], "rss_mb": rss, "state": state}
+    return {
+        "requests": len(outcomes),
+        "ok": outcomes.count(200),
+        "left": outcomes.count("left"),
+        "other": [o for o in outcomes if o not in (200, "left")],
+        "rss_mb": rss,
+        "state": state,
+    }
 
 
 def check(res: dict) -> list[str]:
     """What is wrong after a soak (empty: nothing)."""
     s = res["state"]
-    problems = [f"{k} = {s.get(k)}" for k in ("double_frees", "shared_slot_refs", "view_slots", "tree_tokens", "view_tokens")
-                if s.get(k) != 0]
+    problems = [
+        f"{k} = {s.get(k)}"
+        for k in ("double_frees", "shared_slot_refs", "view_slots", "tree_tokens", "view_tokens")
+        if s.get(k) != 0
+    ]
     if res["other"]:
         problems.append(f"unexpected responses: {res['other'][:5]}")
     return problems
@@ -111,8 +123,13 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as logs:
         from sglang_kvshare.assets import ensure_default_model
 
-        server = kvshare_server(ensure_default_model(), Path(logs) / "soak.log", "--max-total-tokens",
-                                str(args.max_total_tokens), timeout=900)
+        server = kvshare_server(
+            ensure_default_model(),
+            Path(logs) / "soak.log",
+            "--max-total-tokens",
+            str(args.max_total_tokens),
+            timeout=900,
+        )
         try:
             with tqdm(total=args.requests, desc="soak") as bar:
                 res = soak(server, args.requests, args.every, pid=find_server_pid(server.url), bar=bar)

@@ -25,6 +25,7 @@ benchmark (``serving.make_context``, distinct per task), agents 0 and 1 of the M
 
     python -m benchmarks.leaf_study [N_TASKS]     # tables on stdout; --json PATH to keep them
 """
+
 import argparse
 import json
 import time
@@ -58,15 +59,20 @@ def leaf(Z: torch.Tensor, rank: int) -> torch.Tensor:
 def rotate(k: torch.Tensor, shift, rope) -> torch.Tensor:
     """Keys [layers, L, H*D] turned by RoPE ``shift`` positions further (an int, or [L] per row)."""
     n_layers, L, width = k.shape
-    return torch.stack([shift_keys(k[i].reshape(L, -1, rope.rotary_dim), shift, rope).reshape(L, width)
-                        for i in range(n_layers)])
+    return torch.stack(
+        [shift_keys(k[i].reshape(L, -1, rope.rotary_dim), shift, rope).reshape(L, width) for i in range(n_layers)]
+    )
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("n_tasks", nargs="?", type=int, default=12)
-    ap.add_argument("--context-tokens", type=int, default=None,
-                    help="shared segments of this many tokens (serving contexts) instead of MMLU questions")
+    ap.add_argument(
+        "--context-tokens",
+        type=int,
+        default=None,
+        help="shared segments of this many tokens (serving contexts) instead of MMLU questions",
+    )
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args(argv)
     hf = HFModel()
@@ -103,8 +109,10 @@ def main(argv=None):
         rows["fullshared"].append(err(c0, c1))
         rows["correction"].append(err(r.kv, c1))
         back = -torch.arange(n)
-        frames = {"keys in the source frame": (rotate(dk, s0, hf.rope), -s0),  # row t at position s0 + t
-                  "keys before RoPE": (rotate(dk, back, hf.rope), -back)}  # row t turned back by t
+        frames = {
+            "keys in the source frame": (rotate(dk, s0, hf.rope), -s0),  # row t at position s0 + t
+            "keys before RoPE": (rotate(dk, back, hf.rope), -back),
+        }  # row t turned back by t
         named = {"delta k": dk, "delta v": dv, **{f"delta k, {f}": Z for f, (Z, _) in frames.items()}}
         for name, Z in named.items():
             for e in (0.9, 0.99):
@@ -139,19 +147,31 @@ def main(argv=None):
     n_layers, D = widths
     L = mean(seg_rows)
     copy_bytes = 2 * n_layers * L * D * 2  # keys and values, bfloat16
-    print("\n| leaf rank | re-compression ms (all layers, k and v) | bytes per agent (bf16) | vs a copy |\n|---:|---:|---:|---:|")
+    print(
+        "\n| leaf rank | re-compression ms (all layers, k and v) | bytes per agent (bf16) | vs a copy |\n|---:|---:|---:|---:|"
+    )
     costs = {}
     for rank in RANKS:
         b = 2 * n_layers * (L * rank + rank * D) * 2
         costs[rank] = {"ms": 1000 * mean(seconds[rank]), "bytes": b, "vs_copy": b / copy_bytes}
         print(f"| {rank} | {costs[rank]['ms']:.1f} | {b / 1e3:.0f} K | {b / copy_bytes:.2f} |")
-    print(f"\n(segments: {L:.0f} tokens on average, {n_layers} layers, {D} K/V columns; a copy: {copy_bytes / 1e3:.0f} K)")
+    print(
+        f"\n(segments: {L:.0f} tokens on average, {n_layers} layers, {D} K/V columns; a copy: {copy_bytes / 1e3:.0f} K)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"segments": f"{args.context_tokens}-token contexts" if args.context_tokens else "MMLU questions",
-                       "tasks": len(rows["correction"]), "errors": table,
-                       "effective_rank": {k: {str(e): mean(v) for e, v in d.items()} for k, d in ranks.items()},
-                       "costs": {str(k): v for k, v in costs.items()}, "mean_rows": L}, f, indent=2)
+            json.dump(
+                {
+                    "segments": f"{args.context_tokens}-token contexts" if args.context_tokens else "MMLU questions",
+                    "tasks": len(rows["correction"]),
+                    "errors": table,
+                    "effective_rank": {k: {str(e): mean(v) for e, v in d.items()} for k, d in ranks.items()},
+                    "costs": {str(k): v for k, v in costs.items()},
+                    "mean_rows": L,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,11 @@ Interval = Tuple[float, float]
 
 def decode_gaps(url: str, stop: threading.Event, out: List[Interval]) -> None:
     """Stream plain long answers until ``stop``; append each gap between chunks as (start, end)."""
-    body = {"text": "Write a long story about a lighthouse keeper.", "stream": True,
-            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": "Write a long story about a lighthouse keeper.",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+    }
     while not stop.is_set():
         with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
             last = None
@@ -67,8 +70,13 @@ def summary(values: Sequence[float], stall_factor: float) -> Dict[str, Any]:
     if not s:
         return {"n": 0}
     p50 = statistics.median(s)
-    return {"n": len(s), "p50_s": p50, "p99_s": s[int(0.99 * (len(s) - 1))], "max_s": s[-1],
-            "stalls": sum(1 for v in s if v > stall_factor * p50)}
+    return {
+        "n": len(s),
+        "p50_s": p50,
+        "p99_s": s[int(0.99 * (len(s) - 1))],
+        "max_s": s[-1],
+        "stalls": sum(1 for v in s if v > stall_factor * p50),
+    }
 
 
 def workflows(url: str, tok, n: int, context: int, tag: str, pause: float) -> List[Interval]:
@@ -111,9 +119,14 @@ def one_mode(mode: str, args, tok) -> Dict[str, Any]:
     finally:
         server.stop()
     decode, prefill = split_gaps([g for g in gaps if g[0] >= t0 - 1.0], prefills)
-    return {"mode": mode, "workflows_s": wall, "decode_gaps": summary(decode, args.stall_factor),
-            "prefill_gaps": summary(prefill, args.stall_factor),
-            "observations": state["observations_done"], "anchors": state["correctors"]["kvcmas"]["num_anchors"]}
+    return {
+        "mode": mode,
+        "workflows_s": wall,
+        "decode_gaps": summary(decode, args.stall_factor),
+        "prefill_gaps": summary(prefill, args.stall_factor),
+        "observations": state["observations_done"],
+        "anchors": state["correctors"]["kvcmas"]["num_anchors"],
+    }
 
 
 def main(argv=None) -> Dict[str, Any]:
@@ -132,16 +145,24 @@ def main(argv=None) -> Dict[str, Any]:
     rows = [one_mode(m, args, tok) for m in ("inline", "background")]
     ratio = {f"decode_{k}": rows[1]["decode_gaps"][k] / rows[0]["decode_gaps"][k] for k in ("p50_s", "p99_s", "max_s")}
     ratio["workflows_s"] = rows[1]["workflows_s"] / rows[0]["workflows_s"]
-    res = {"benchmark": "observe_stall", "config": {k: v for k, v in vars(args).items() if k != "out"},
-           "modes": rows, "ratio_background_over_inline": ratio}
+    res = {
+        "benchmark": "observe_stall",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "modes": rows,
+        "ratio_background_over_inline": ratio,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"| observe | decode gaps | p50 s | p99 s | max s | > {args.stall_factor:g}x p50 | prefill gaps | "
-          "prefill max s | factorisations | workflows s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"| observe | decode gaps | p50 s | p99 s | max s | > {args.stall_factor:g}x p50 | prefill gaps | "
+        "prefill max s | factorisations | workflows s |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
     for r in rows:
         d, p = r["decode_gaps"], r["prefill_gaps"]
-        print(f"| {r['mode']} | {d['n']} | {d['p50_s']:.3f} | {d['p99_s']:.3f} | {d['max_s']:.3f} | {d['stalls']} | "
-              f"{p['n']} | {p.get('max_s', 0):.2f} | {r['observations']} | {r['workflows_s']:.1f} |")
+        print(
+            f"| {r['mode']} | {d['n']} | {d['p50_s']:.3f} | {d['p99_s']:.3f} | {d['max_s']:.3f} | {d['stalls']} | "
+            f"{p['n']} | {p.get('max_s', 0):.2f} | {r['observations']} | {r['workflows_s']:.1f} |"
+        )
     return res
 
 

@@ -47,8 +47,10 @@ from sglang_kvshare.assets import ensure_default_model
 from sglang_kvshare.testing.server import kvshare_server, running, stock_server
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("river stone market lantern copper harvest signal garden ledger orbit meadow engine "
-         "canvas thunder harbor pepper violet summit cobalt falcon timber quartz velvet dune").split()
+WORDS = (
+    "river stone market lantern copper harvest signal garden ledger orbit meadow engine "
+    "canvas thunder harbor pepper violet summit cobalt falcon timber quartz velvet dune"
+).split()
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,13 @@ class Row:
 
 def summary(loads: list[Load]) -> dict:
     load = Load.joined(loads)
-    return {"output_tokens_per_s": load.output_tokens_per_s, "ttft_p50_s": load.median("ttft_s"),
-            "tpot_p50_s": load.median("tpot_s"), "wall_s": load.wall_s, "output_tokens": load.output_tokens}
+    return {
+        "output_tokens_per_s": load.output_tokens_per_s,
+        "ttft_p50_s": load.median("ttft_s"),
+        "tpot_p50_s": load.median("tpot_s"),
+        "wall_s": load.wall_s,
+        "output_tokens": load.output_tokens,
+    }
 
 
 def prompts(tok, n: int, tokens: int, seed: int) -> list[str]:
@@ -90,8 +97,16 @@ def prompts(tok, n: int, tokens: int, seed: int) -> list[str]:
 
 
 def bodies(texts: list[str], max_tokens: int) -> list[dict]:
-    return [{"model": "default", "messages": [{"role": "user", "content": t}], "max_tokens": max_tokens,
-             "temperature": 0, "ignore_eos": True} for t in texts]
+    return [
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": t}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for t in texts
+    ]
 
 
 def run(args) -> list[Row]:
@@ -99,15 +114,21 @@ def run(args) -> list[Row]:
 
     model = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(model)
-    mixes = [m for m in (Mix("prefill", args.prefill_tokens, 8), Mix("decode", args.decode_prompt, args.decode_output))
-             if m.name in args.mixes]
+    mixes = [
+        m
+        for m in (Mix("prefill", args.prefill_tokens, 8), Mix("decode", args.decode_prompt, args.decode_output))
+        if m.name in args.mixes
+    ]
     settings = [(m, c) for m in mixes for c in args.concurrency]
     rows: list[Row] = []
     samples: dict[str, Counter] = {}
-    with tempfile.TemporaryDirectory() as d, running(
-        lambda: stock_server(model, Path(d) / "stock.log", timeout=900),
-        lambda: kvshare_server(model, Path(d) / "ours.log", *args.server_arg, timeout=900),
-    ) as (stock, ours):
+    with (
+        tempfile.TemporaryDirectory() as d,
+        running(
+            lambda: stock_server(model, Path(d) / "stock.log", timeout=900),
+            lambda: kvshare_server(model, Path(d) / "ours.log", *args.server_arg, timeout=900),
+        ) as (stock, ours),
+    ):
         servers = {"stock": stock, "ours": ours}
         for name, server in servers.items():  # warm-up: a request of each mix
             for mix in mixes:
@@ -117,17 +138,21 @@ def run(args) -> list[Row]:
             batch = bodies(prompts(tok, n, mix.prompt_tokens, seed=k), mix.output_tokens)
             loads: dict[str, list[Load]] = {"stock": [], "ours": []}
             profiled = args.profile and mix.name == "decode" and c == max(args.concurrency)
-            for half, order in ((batch[: n // 2], ("stock", "ours")), (batch[n // 2:], ("ours", "stock"))):
+            for half, order in ((batch[: n // 2], ("stock", "ours")), (batch[n // 2 :], ("ours", "stock"))):
                 for name in order:
-                    run_load = functools.partial(closed_loop, functools.partial(stream_chat, servers[name].url), half, c)
+                    run_load = functools.partial(
+                        closed_loop, functools.partial(stream_chat, servers[name].url), half, c
+                    )
                     if profiled and name not in samples:  # each server's first half, sampled
                         load, samples[name] = sample_scheduler(servers[name], run_load, args.profile)
                     else:
                         load = run_load()
                     loads[name].append(load)
             rows.append(Row(mix.name, c, n, summary(loads["stock"]), summary(loads["ours"])))
-            tqdm.write(f"{mix.name} c={c}: tok/s {rows[-1].ratio('output_tokens_per_s'):.3f}x "
-                       f"TTFT {rows[-1].ratio('ttft_p50_s'):.3f}x TPOT {rows[-1].ratio('tpot_p50_s'):.3f}x")
+            tqdm.write(
+                f"{mix.name} c={c}: tok/s {rows[-1].ratio('output_tokens_per_s'):.3f}x "
+                f"TTFT {rows[-1].ratio('ttft_p50_s'):.3f}x TPOT {rows[-1].ratio('tpot_p50_s'):.3f}x"
+            )
             write(args, rows)
     if samples:
         Path(args.out).with_name(Path(args.out).name + "_profile.md").write_text(profile_table(samples))
@@ -143,9 +168,25 @@ def sample_scheduler(server, run_load, seconds: float) -> tuple[Load, Counter]:
         future = pool.submit(run_load)
         time.sleep(seconds / 4)
         raw = Path(d) / "raw.txt"
-        subprocess.run([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(sched.pid), "-r", "50",
-                        "-d", str(int(seconds)), "-f", "raw", "-o", str(raw), "--nonblocking"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "-p",
+                str(sched.pid),
+                "-r",
+                "50",
+                "-d",
+                str(int(seconds)),
+                "-f",
+                "raw",
+                "-o",
+                str(raw),
+                "--nonblocking",
+            ],
+            check=True,
+            capture_output=True,
+        )
         counts: Counter = Counter()
         for line in raw.read_text().splitlines():
             stack, _, n = line.rpartition(" ")
@@ -158,23 +199,34 @@ def sample_scheduler(server, run_load, seconds: float) -> tuple[Load, Counter]:
 def profile_table(samples: dict[str, Counter], top: int = 20) -> str:
     """The functions whose inclusive share of the scheduler's samples differs most, ours against stock."""
     share = {k: {f: n / c[""] for f, n in c.items() if f} for k, c in samples.items()}
-    funcs = sorted(set(share["ours"]) | set(share["stock"]),
-                   key=lambda f: -abs(share["ours"].get(f, 0) - share["stock"].get(f, 0)))
-    lines = [f"py-spy, 50 Hz, samples: stock {samples['stock']['']}, ours {samples['ours']['']}", "",
-             "| function | stock % | ours % |", "|---|---|---|"]
-    lines += [f"| `{f}` | {100 * share['stock'].get(f, 0):.1f} | {100 * share['ours'].get(f, 0):.1f} |"
-              for f in funcs[:top]]
+    funcs = sorted(
+        set(share["ours"]) | set(share["stock"]), key=lambda f: -abs(share["ours"].get(f, 0) - share["stock"].get(f, 0))
+    )
+    lines = [
+        f"py-spy, 50 Hz, samples: stock {samples['stock']['']}, ours {samples['ours']['']}",
+        "",
+        "| function | stock % | ours % |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| `{f}` | {100 * share['stock'].get(f, 0):.1f} | {100 * share['ours'].get(f, 0):.1f} |" for f in funcs[:top]
+    ]
     return "\n".join(lines) + "\n"
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| mix | concurrency | requests | stock tok/s | ours tok/s | tok/s ratio | stock TTFT p50 s | "
-             "TTFT ratio | stock TPOT p50 ms | TPOT ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mix | concurrency | requests | stock tok/s | ours tok/s | tok/s ratio | stock TTFT p50 s | "
+        "TTFT ratio | stock TPOT p50 ms | TPOT ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r.mix} | {r.concurrency} | {r.requests} | {r.stock['output_tokens_per_s']:.1f} | "
-                     f"{r.ours['output_tokens_per_s']:.1f} | {r.ratio('output_tokens_per_s'):.3f}x | "
-                     f"{r.stock['ttft_p50_s']:.3f} | {r.ratio('ttft_p50_s'):.3f}x | "
-                     f"{1000 * r.stock['tpot_p50_s']:.1f} | {r.ratio('tpot_p50_s'):.3f}x |")
+        lines.append(
+            f"| {r.mix} | {r.concurrency} | {r.requests} | {r.stock['output_tokens_per_s']:.1f} | "
+            f"{r.ours['output_tokens_per_s']:.1f} | {r.ratio('output_tokens_per_s'):.3f}x | "
+            f"{r.stock['ttft_p50_s']:.3f} | {r.ratio('ttft_p50_s'):.3f}x | "
+            f"{1000 * r.stock['tpot_p50_s']:.1f} | {r.ratio('tpot_p50_s'):.3f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -217,8 +269,12 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-prompt", type=int, default=128)
     ap.add_argument("--decode-output", type=int, default=128)
     ap.add_argument("--min-requests", type=int, default=8, help="requests per setting: max(this, 4 x concurrency)")
-    ap.add_argument("--profile", type=float, default=0.0,
-                    help="seconds of py-spy samples of each scheduler in the decode mix at the top concurrency")
+    ap.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        help="seconds of py-spy samples of each scheduler in the decode mix at the top concurrency",
+    )
     ap.add_argument("--quick", action="store_true", help="concurrency 1 and 4, 256-token prompts, 32 output tokens")
     ap.add_argument("--out", default=str(ROOT / "results" / "overhead"))
     args = ap.parse_args(argv)

@@ -10,6 +10,7 @@ HF transformers on the default model, float32, no server.
 
     python -m benchmarks.reference_error [N_TASKS]
 """
+
 import json
 import sys
 from dataclasses import replace
@@ -51,8 +52,8 @@ class HFModel:
         for i in range(self.cfg.num_hidden_layers):
             k = pkv.layers[i].keys[0] if hasattr(pkv, "layers") else pkv.key_cache[i][0]
             v = pkv.layers[i].values[0] if hasattr(pkv, "layers") else pkv.value_cache[i][0]
-            k = k[:, len(prefix_ids):].transpose(0, 1)  # [T, H, hd]
-            v = v[:, len(prefix_ids):].transpose(0, 1)
+            k = k[:, len(prefix_ids) :].transpose(0, 1)  # [T, H, hd]
+            v = v[:, len(prefix_ids) :].transpose(0, 1)
             k = shift_keys(k, -len(prefix_ids), self.rope)
             ks.append(k.reshape(k.shape[0], -1))
             vs.append(v.reshape(v.shape[0], -1))
@@ -75,8 +76,14 @@ def main():
     tasks = load_tasks("mmlu", N, seed=5)
     enc, seg_kv, sys_ids = hf.enc, hf.segment_kv, hf.system_ids
 
-    PREFIXES = {"none (today)": [], "<|im_start|>": enc("<|im_start|>"), "<|im_start|>user\\n": enc("<|im_start|>user\n"),
-                "<|im_start|>system\\n<|im_end|>\\n<|im_start|>user\\n": enc("<|im_start|>system\n<|im_end|>\n<|im_start|>user\n")}
+    PREFIXES = {
+        "none (today)": [],
+        "<|im_start|>": enc("<|im_start|>"),
+        "<|im_start|>user\\n": enc("<|im_start|>user\n"),
+        "<|im_start|>system\\n<|im_end|>\\n<|im_start|>user\\n": enc(
+            "<|im_start|>system\n<|im_end|>\n<|im_start|>user\n"
+        ),
+    }
     data = []
     for t in tasks:
         q = enc(t.question)

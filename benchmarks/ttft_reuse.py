@@ -162,12 +162,29 @@ def plot(results: dict, path: Path) -> None:
         samples = [results["backends"][b][n][m]["reused_ttft_s"]["samples"] for n in ns]
         meds = [results["backends"][b][n][m]["reused_ttft_s"]["median"] for n in ns]
         err = [[med - min(s) for med, s in zip(meds, samples)], [max(s) - med for med, s in zip(meds, samples)]]
-        ax.bar(xs, meds, width, yerr=err, capsize=3, label=f"{m} ({b})", color=f"C{METHODS.index(m)}",
-               hatch="" if b == "kvshare_torch" else "//", edgecolor="black", linewidth=0.5)
+        ax.bar(
+            xs,
+            meds,
+            width,
+            yerr=err,
+            capsize=3,
+            label=f"{m} ({b})",
+            color=f"C{METHODS.index(m)}",
+            hatch="" if b == "kvshare_torch" else "//",
+            edgecolor="black",
+            linewidth=0.5,
+        )
         if m == "fullshared":
             for x, s, n in zip(xs, samples, ns):
-                ax.annotate(f"{results['backends'][b][n]['speedup']:.1f}x", (x, max(s)), xytext=(0, 4),
-                            textcoords="offset points", ha="center", fontsize=9, fontweight="bold")
+                ax.annotate(
+                    f"{results['backends'][b][n]['speedup']:.1f}x",
+                    (x, max(s)),
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=9,
+                    fontweight="bold",
+                )
     ax.set_xticks(range(len(ns)), [f"N={n} shared tokens" for n in ns])
     ax.set_yscale("log")
     for axis_fmt in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):

@@ -19,8 +19,10 @@ def report(seed: int, words: int = 1100) -> tuple[str, str]:
     lines, n = [f"Warehouse report #{seed}."], 0
     while n < words:
         city, good = rng.choice(CITIES), rng.choice(GOODS)
-        line = (f"Depot {len(lines)} in {city} shipped {rng.randint(10, 990)} {good} on day "
-                f"{rng.randint(1, 28)} and kept {rng.randint(0, 99)} in stock.")
+        line = (
+            f"Depot {len(lines)} in {city} shipped {rng.randint(10, 990)} {good} on day "
+            f"{rng.randint(1, 28)} and kept {rng.randint(0, 99)} in stock."
+        )
         lines.append(line)
         n += len(line.split())
     question = f"Which city shipped the most {rng.choice(GOODS)} in total, and how many?"
@@ -33,11 +35,17 @@ def app_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:30000/v1")
     p.add_argument("--workflows", type=int, default=1)
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--words", type=int, default=1100,
-                   help="length of each workflow's report in words (1100: about 2K tokens)")
+    p.add_argument(
+        "--words", type=int, default=1100, help="length of each workflow's report in words (1100: about 2K tokens)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--header", action="append", default=[], metavar="NAME:VALUE",
-                   help="another default header (e.g. X-KVShare-Method:none to opt out)")
+    p.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="NAME:VALUE",
+        help="another default header (e.g. X-KVShare-Method:none to opt out)",
+    )
     return p
 
 

@@ -36,17 +36,30 @@ ROLES = {
     "reviewer": "You are the reviewer. Check the analyst's answer against the report and list any errors.",
     "editor": "You are the editor. Write the corrected final answer in two sentences.",
 }
-MODEL_INFO = {"vision": False, "function_calling": True, "json_output": True, "family": "unknown",
-              "structured_output": True}
+MODEL_INFO = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": True,
+    "family": "unknown",
+    "structured_output": True,
+}
 
 
 async def run_team(base_url: str, seed: int, words: int, max_tokens: int, headers: Optional[dict] = None) -> dict:
     workflow = f"autogen-{seed}-{uuid.uuid4().hex[:8]}"
-    client = OpenAIChatCompletionClient(model="default", base_url=base_url, api_key="none", model_info=MODEL_INFO,
-                                        temperature=0, max_tokens=max_tokens,
-                                        default_headers={"X-KVShare-Workflow": workflow, **(headers or {})})
-    agents = [AssistantAgent(name, model_client=client, system_message=prompt, model_client_stream=True)
-              for name, prompt in ROLES.items()]
+    client = OpenAIChatCompletionClient(
+        model="default",
+        base_url=base_url,
+        api_key="none",
+        model_info=MODEL_INFO,
+        temperature=0,
+        max_tokens=max_tokens,
+        default_headers={"X-KVShare-Workflow": workflow, **(headers or {})},
+    )
+    agents = [
+        AssistantAgent(name, model_client=client, system_message=prompt, model_client_stream=True)
+        for name, prompt in ROLES.items()
+    ]
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(len(agents) + 1))
     text, question = report(seed, words)
     ttft: dict[str, float] = {}
@@ -60,14 +73,17 @@ async def run_team(base_url: str, seed: int, words: int, max_tokens: int, header
             answers.setdefault(event.source, event.content)
             last = now
     await client.close()
-    return {"workflow": workflow, "agents": [{"agent": name, "ttft_s": ttft.get(name), "answer": answers.get(name)}
-                                             for name in ROLES]}
+    return {
+        "workflow": workflow,
+        "agents": [{"agent": name, "ttft_s": ttft.get(name), "answer": answers.get(name)} for name in ROLES],
+    }
 
 
 def main() -> None:
     args = app_parser(__doc__).parse_args()
-    print_workflows(args, lambda seed, headers: asyncio.run(run_team(args.base_url, seed, args.words,
-                                                                     args.max_tokens, headers)))
+    print_workflows(
+        args, lambda seed, headers: asyncio.run(run_team(args.base_url, seed, args.words, args.max_tokens, headers))
+    )
 
 
 if __name__ == "__main__":

@@ -34,20 +34,28 @@ from langchain_openai import ChatOpenAI
 from agent_contexts import app_parser, print_workflows, report
 
 CHAIN = {
-    "drafter": ("You draft answers from documents.",
-                "Document:\n{document}\n\nQuestion: {question}\nDraft an answer citing the depots you used."),
-    "checker": ("You check drafts against their source.",
-                "Check this draft against the document.\n\nDocument:\n{document}\n\nQuestion: {question}\n"
-                "Draft: {drafter}\n\nList any error."),
-    "writer": ("You write final answers.",
-               "Source document:\n{document}\n\nQuestion: {question}\nDraft: {drafter}\nReview: {checker}\n\n"
-               "Write the final answer in two sentences."),
+    "drafter": (
+        "You draft answers from documents.",
+        "Document:\n{document}\n\nQuestion: {question}\nDraft an answer citing the depots you used.",
+    ),
+    "checker": (
+        "You check drafts against their source.",
+        "Check this draft against the document.\n\nDocument:\n{document}\n\nQuestion: {question}\n"
+        "Draft: {drafter}\n\nList any error.",
+    ),
+    "writer": (
+        "You write final answers.",
+        "Source document:\n{document}\n\nQuestion: {question}\nDraft: {drafter}\nReview: {checker}\n\n"
+        "Write the final answer in two sentences.",
+    ),
 }
 RAG = {
     "researcher": ("You answer from retrieved passages.", "Passages:\n{context}\n\nQuestion: {question}\nAnswer:"),
-    "fact_checker": ("You verify claims against retrieved passages.",
-                     "Retrieved passages:\n{context}\n\nClaim to verify: {researcher}\nQuestion: {question}\n"
-                     "Is the claim supported?"),
+    "fact_checker": (
+        "You verify claims against retrieved passages.",
+        "Retrieved passages:\n{context}\n\nClaim to verify: {researcher}\nQuestion: {question}\n"
+        "Is the claim supported?",
+    ),
 }
 
 
@@ -80,15 +88,23 @@ def chunks(text: str, n: int = 8) -> list[str]:
     """The document cut into ``n`` passages of whole lines."""
     lines = text.splitlines()
     size = -(-len(lines) // n)
-    return ["\n".join(lines[i:i + size]) for i in range(0, len(lines), size)]
+    return ["\n".join(lines[i : i + size]) for i in range(0, len(lines), size)]
 
 
-def run_workflow(app: str, base_url: str, seed: int, words: int, max_tokens: int,
-                 headers: Optional[dict] = None) -> dict:
+def run_workflow(
+    app: str, base_url: str, seed: int, words: int, max_tokens: int, headers: Optional[dict] = None
+) -> dict:
     workflow = f"{app}-{seed}-{uuid.uuid4().hex[:8]}"
-    llm = ChatOpenAI(base_url=base_url, api_key="none", model="default", temperature=0, max_tokens=max_tokens,
-                     streaming=True, stream_usage=True,
-                     default_headers={"X-KVShare-Workflow": workflow, **(headers or {})})
+    llm = ChatOpenAI(
+        base_url=base_url,
+        api_key="none",
+        model="default",
+        temperature=0,
+        max_tokens=max_tokens,
+        streaming=True,
+        stream_usage=True,
+        default_headers={"X-KVShare-Workflow": workflow, **(headers or {})},
+    )
     document, question = report(seed, words)
     values = {"document": document, "question": question}
     if app == "rag":
@@ -103,16 +119,19 @@ def run_workflow(app: str, base_url: str, seed: int, words: int, max_tokens: int
             values["context"] = "\n\n".join(f"[{k + 1}] {p}" for k, p in enumerate(contexts[name]))
         chain = ChatPromptTemplate.from_messages([("system", system), ("user", template)]) | llm | StrOutputParser()
         answers[name] = values[name] = chain.invoke(values, config={"callbacks": [calls]})
-    return {"workflow": workflow, "agents": [{"agent": name, **call, "answer": answers[name]}
-                                             for name, call in zip(answers, calls.take())]}
+    return {
+        "workflow": workflow,
+        "agents": [{"agent": name, **call, "answer": answers[name]} for name, call in zip(answers, calls.take())],
+    }
 
 
 def main() -> None:
     p = app_parser(__doc__)
     p.add_argument("--app", choices=["chain", "rag"], default="chain")
     args = p.parse_args()
-    print_workflows(args, lambda seed, headers: run_workflow(args.app, args.base_url, seed, args.words,
-                                                             args.max_tokens, headers))
+    print_workflows(
+        args, lambda seed, headers: run_workflow(args.app, args.base_url, seed, args.words, args.max_tokens, headers)
+    )
 
 
 if __name__ == "__main__":

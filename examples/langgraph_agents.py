@@ -55,20 +55,28 @@ class FirstToken(BaseCallbackHandler):
             self.ttft[node] = time.perf_counter() - t0
 
 
-def build_graph(base_url: str, workflow: str, max_tokens: int, annotate: Optional[str] = None,
-                headers: Optional[dict] = None):
-    llm = ChatOpenAI(base_url=base_url, api_key="none", model="default", temperature=0,
-                     max_tokens=max_tokens, streaming=True,
-                     default_headers={"X-KVShare-Workflow": workflow, **(headers or {})})
+def build_graph(
+    base_url: str, workflow: str, max_tokens: int, annotate: Optional[str] = None, headers: Optional[dict] = None
+):
+    llm = ChatOpenAI(
+        base_url=base_url,
+        api_key="none",
+        model="default",
+        temperature=0,
+        max_tokens=max_tokens,
+        streaming=True,
+        default_headers={"X-KVShare-Workflow": workflow, **(headers or {})},
+    )
 
     def node(role: str):
         def run(state: MessagesState):
             messages = [SystemMessage(ROLES[role]), *state["messages"]]
             kwargs = {}
             if annotate:  # the hand-annotated graph: message index -> slot
-                shared = {1: "report"} | {2 + k: f"out:{r}" for k, r in enumerate(ORDER[:ORDER.index(role)])}
-                kwargs["extra_body"] = {"kvshare": {"workflow": workflow, "agent": role, "method": annotate,
-                                                    "shared_messages": shared}}
+                shared = {1: "report"} | {2 + k: f"out:{r}" for k, r in enumerate(ORDER[: ORDER.index(role)])}
+                kwargs["extra_body"] = {
+                    "kvshare": {"workflow": workflow, "agent": role, "method": annotate, "shared_messages": shared}
+                }
             return {"messages": [llm.invoke(messages, **kwargs)]}
 
         return run
@@ -83,24 +91,37 @@ def build_graph(base_url: str, workflow: str, max_tokens: int, annotate: Optiona
     return graph.compile()
 
 
-def run_workflow(base_url: str, seed: int, words: int, max_tokens: int, annotate: Optional[str] = None,
-                 headers: Optional[dict] = None) -> dict:
+def run_workflow(
+    base_url: str,
+    seed: int,
+    words: int,
+    max_tokens: int,
+    annotate: Optional[str] = None,
+    headers: Optional[dict] = None,
+) -> dict:
     workflow = f"langgraph-{seed}-{uuid.uuid4().hex[:8]}"
     text, question = report(seed, words)
     timer = FirstToken()
     state = build_graph(base_url, workflow, max_tokens, annotate, headers).invoke(
-        {"messages": [HumanMessage(f"{text}\n\nQuestion: {question}")]}, config={"callbacks": [timer]})
+        {"messages": [HumanMessage(f"{text}\n\nQuestion: {question}")]}, config={"callbacks": [timer]}
+    )
     answers = [m.content for m in state["messages"][1:]]
-    return {"workflow": workflow, "agents": [{"agent": role, "ttft_s": timer.ttft.get(role), "answer": answer}
-                                             for role, answer in zip(ORDER, answers)]}
+    return {
+        "workflow": workflow,
+        "agents": [
+            {"agent": role, "ttft_s": timer.ttft.get(role), "answer": answer} for role, answer in zip(ORDER, answers)
+        ],
+    }
 
 
 def main() -> None:
     p = app_parser(__doc__)
     p.add_argument("--annotate", metavar="METHOD", help="pass the hand-written kvshare annotation with this method")
     args = p.parse_args()
-    print_workflows(args, lambda seed, headers: run_workflow(args.base_url, seed, args.words, args.max_tokens,
-                                                             args.annotate, headers))
+    print_workflows(
+        args,
+        lambda seed, headers: run_workflow(args.base_url, seed, args.words, args.max_tokens, args.annotate, headers),
+    )
 
 
 if __name__ == "__main__":

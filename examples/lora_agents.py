@@ -37,22 +37,33 @@ from sglang_kvshare.workflows import Role
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = {name: REPO / "adapters" / f"smollm2-{name}-qv-r8" for name in ("solver", "critic", "final")}
-LORA_FLAGS = ["--enable-lora", "--lora-backend", "torch_native", "--lora-paths",
-              *[f"{name}={path}" for name, path in ADAPTERS.items()]]
+LORA_FLAGS = [
+    "--enable-lora",
+    "--lora-backend",
+    "torch_native",
+    "--lora-paths",
+    *[f"{name}={path}" for name, path in ADAPTERS.items()],
+]
 
 # As the adapters were trained (scripts/train_adapters.py SYSTEM_PROMPTS and user layout).
 LORA_ROLES = (
     Role(
-        name="solver", title="Solver", lora_path="solver",
+        name="solver",
+        title="Solver",
+        lora_path="solver",
         system_prompt="You are a math solver. Solve the problem step by step and end with '#### <answer>'.",
     ),
     Role(
-        name="critic", title="Critic", lora_path="critic",
+        name="critic",
+        title="Critic",
+        lora_path="critic",
         glue_template="\n\nProposed solution:\n",
         system_prompt="You are a critic. Check the proposed solution and give a verdict.",
     ),
     Role(
-        name="final", title="Final", lora_path="final",
+        name="final",
+        title="Final",
+        lora_path="final",
         glue_template="\n\n{source} wrote:\n",
         system_prompt="You are the final answer agent. Read the solution and the check, then state the final answer.",
     ),
@@ -79,13 +90,13 @@ def check_adapters(url: str, names: Sequence[str] = tuple(ADAPTERS)) -> None:
     if not info.get("enable_lora") or missing:
         raise LoRANotServed(
             f"server {url} does not serve the role adapters {missing or list(names)} "
-            f"(enable_lora={info.get('enable_lora')}, lora_paths={lora_paths!r}); start it with "
-            + " ".join(LORA_FLAGS)
+            f"(enable_lora={info.get('enable_lora')}, lora_paths={lora_paths!r}); start it with " + " ".join(LORA_FLAGS)
         )
 
 
-def run_lora_workflow(url: str, method: str = "fullshared", max_tokens: int = 48,
-                      workflow: Optional[str] = None) -> List[Dict[str, Any]]:
+def run_lora_workflow(
+    url: str, method: str = "fullshared", max_tokens: int = 48, workflow: Optional[str] = None
+) -> List[Dict[str, Any]]:
     check_adapters(url)
     endpoint = KVShareEndpoint(url, method=method, chat_template_name="chatml")
     return run_workflow(endpoint, LORA_ROLES, question=QUESTION, max_tokens=max_tokens, workflow=workflow)

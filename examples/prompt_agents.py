@@ -64,19 +64,25 @@ def run_workflow(
     for role in roles:
         earlier = [(r["agent"], r["title"], r["output"]) for r in results]
         state = agent_turn.run(
-            role=role, question=question, earlier=earlier, max_tokens=max_tokens, ignore_eos=ignore_eos,
+            role=role,
+            question=question,
+            earlier=earlier,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
             backend=endpoint,
         )
         answer = state["answer"]  # waits for the generation; raises on a failed request
         if state.error():
             raise RuntimeError(f"agent {role.name}: {state.error()}")
-        results.append({
-            "agent": role.name,
-            "title": role.title,
-            "lora_path": role.lora_path,
-            "output": answer,
-            "kvshare": kvshare_meta(state.get_meta_info("answer")),
-        })
+        results.append(
+            {
+                "agent": role.name,
+                "title": role.title,
+                "lora_path": role.lora_path,
+                "output": answer,
+                "kvshare": kvshare_meta(state.get_meta_info("answer")),
+            }
+        )
     return results
 
 
@@ -102,7 +108,11 @@ def main(argv=None) -> None:
     ap.add_argument("--url", default="http://127.0.0.1:30000", help="a running sglang_kvshare server")
     ap.add_argument("--method", default="fullshared", help="kvshare method (nonshared, fullshared, kvcmas, ...)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--chat-template", default=None, help="SGLang frontend chat template (default: by model path; chatml for SmolLM2)")
+    ap.add_argument(
+        "--chat-template",
+        default=None,
+        help="SGLang frontend chat template (default: by model path; chatml for SmolLM2)",
+    )
     ap.add_argument("--json", action="store_true", help="also print the full results as JSON")
     args = ap.parse_args(argv)
 

@@ -56,10 +56,7 @@ from sglang_kvshare.workflows import lora_conversation_roles  # noqa: E402
 from sglang_kvshare.workflows.topology import build_segments  # noqa: E402
 
 ROLES = ("solver", "critic", "final")
-TARGETS = {
-    "qv": ["q_proj", "v_proj"],
-    "qkvo": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
+TARGETS = {"qv": ["q_proj", "v_proj"], "qkvo": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 EVAL_HOLDOUT = 500
 BASE_MODEL_NAME = "SmolLM2-135M-Instruct"  # sglang_kvshare.assets.ensure_default_model()
 
@@ -97,9 +94,7 @@ def load_items(split: str) -> List[Item]:
         match = _FINAL.search(lines[-1])
         if match is None:
             continue
-        items.append(
-            Item(i, row["question"].strip(), "\n".join(lines[:-1]).strip(), match.group(1))
-        )
+        items.append(Item(i, row["question"].strip(), "\n".join(lines[:-1]).strip(), match.group(1)))
     if split == "train":
         assert not ({it.index for it in items} & (eval_ids | set(range(200))))
     return items
@@ -122,11 +117,7 @@ def role_example(role: str, item: Item, rng: random.Random) -> Tuple[List[str], 
     last_step = item.steps.splitlines()[-1].strip() if item.steps else item.answer
     question = f"Question: {item.question}"
     proposed = item.answer if role == "solver" or rng.random() < 0.5 else _corrupt(item.answer, rng)
-    verdict = (
-        "Verdict: correct."
-        if proposed == item.answer
-        else f"Verdict: incorrect, the answer is {item.answer}."
-    )
+    verdict = "Verdict: correct." if proposed == item.answer else f"Verdict: incorrect, the answer is {item.answer}."
     proposed_solution = f"{item.steps}\n#### {proposed}"
     check = f"Check: {last_step} {verdict}"
     solver_read = ("solver", roles["solver"].title, proposed_solution)
@@ -175,15 +166,16 @@ def reply_loss(lm, input_ids, labels, mask) -> torch.Tensor:
 
 
 def greedy(model, tokenizer, segments: Sequence[str], max_new_tokens: int) -> str:
-    ids = torch.tensor(
-        [[t for text in segments for t in tokenizer.encode(text, add_special_tokens=False)]]
-    )
+    ids = torch.tensor([[t for text in segments for t in tokenizer.encode(text, add_special_tokens=False)]])
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
         )
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def train_role(args, role: str, items: Sequence[Item], model_path: str) -> Dict[str, object]:
@@ -196,8 +188,12 @@ def train_role(args, role: str, items: Sequence[Item], model_path: str) -> Dict[
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     config = LoraConfig(
-        r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, bias="none",
-        target_modules=TARGETS[args.targets], task_type="CAUSAL_LM",
+        r=args.rank,
+        lora_alpha=args.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=TARGETS[args.targets],
+        task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, config)
     model.train()
@@ -233,17 +229,27 @@ def train_role(args, role: str, items: Sequence[Item], model_path: str) -> Dict[
         losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
         if (step + 1) % args.log_every == 0:
-            print(f"[{role}-{args.targets}] step {step + 1} loss(avg10) "
-                  f"{sum(losses[-10:]) / len(losses[-10:]):.4f}", flush=True)
+            print(
+                f"[{role}-{args.targets}] step {step + 1} loss(avg10) {sum(losses[-10:]) / len(losses[-10:]):.4f}",
+                flush=True,
+            )
     wall = time.time() - start
 
     out_dir = REPO / "adapters" / f"smollm2-{role}-{args.targets}-r{args.rank}"
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tidy_adapter_dir(out_dir)
     summary = {
-        "role": role, "targets": args.targets, "rank": args.rank, "alpha": args.alpha,
-        "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-        "max_len": args.max_len, "bf16_autocast": args.bf16, "num_examples": len(examples),
+        "role": role,
+        "targets": args.targets,
+        "rank": args.rank,
+        "alpha": args.alpha,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "max_len": args.max_len,
+        "bf16_autocast": args.bf16,
+        "num_examples": len(examples),
         "wall_s": round(wall, 1),
         "first_loss_avg10": round(sum(losses[:10]) / len(losses[:10]), 4),
         "final_loss_avg10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
@@ -276,8 +282,7 @@ def verify(adapter_dir: Path, model_path: str, role: str, item: Item) -> bool:
     base_text = greedy(base, tokenizer, segments, 40)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     lora_text = greedy(model, tokenizer, segments, 40)
-    print(f"--- {adapter_dir.name} (item {item.index})\n  base : {base_text!r}\n"
-          f"  lora : {lora_text!r}", flush=True)
+    print(f"--- {adapter_dir.name} (item {item.index})\n  base : {base_text!r}\n  lora : {lora_text!r}", flush=True)
     return base_text != lora_text
 
 
@@ -292,10 +297,13 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-len", type=int, default=320, help="skip longer items")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
-                        help="bf16 autocast for the frozen base (LoRA weights stay float32)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1 is fastest on a busy 2-core machine)")
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="bf16 autocast for the frozen base (LoRA weights stay float32)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--verify-only", action="store_true", help="skip training, reload and check")
     args = parser.parse_args(argv)
@@ -307,8 +315,11 @@ def main(argv=None) -> int:
     model_path = ensure_default_model()
     items = load_items("train")
     probe = load_items("probe")[0]
-    print(f"{len(items)} training items (GSM8K test.jsonl indices >= {EVAL_HOLDOUT}, "
-          f"disjoint from load_tasks(n={EVAL_HOLDOUT}, seed=0))", flush=True)
+    print(
+        f"{len(items)} training items (GSM8K test.jsonl indices >= {EVAL_HOLDOUT}, "
+        f"disjoint from load_tasks(n={EVAL_HOLDOUT}, seed=0))",
+        flush=True,
+    )
     ok = True
     for role in args.roles:
         if not args.verify_only:

@@ -17,9 +17,18 @@ import requests
 from sglang_kvshare.router_argv import free_port
 
 STOCK_CPU_FLAGS = [
-    "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-    "--skip-server-warmup", "--dtype", "float32", "--max-total-tokens", "16384",
-    "--disable-overlap-schedule", "--sleep-on-idle",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "16384",
+    "--disable-overlap-schedule",
+    "--sleep-on-idle",
 ]
 
 
@@ -32,8 +41,15 @@ class Server:
     timeout of SGLang's post-warmup request), which a second start does not repeat; a server
     that cannot start fails both. ``starts=1`` for a test that expects the start to fail."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path, env: Optional[dict] = None, timeout: float = 300,
-                 port: Optional[int] = None, starts: int = 2):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Optional[dict] = None,
+        timeout: float = 300,
+        port: Optional[int] = None,
+        starts: int = 2,
+    ):
         self.log_path = log_path
         full_env = dict(os.environ)
         full_env.pop("TRITON_INTERPRET", None)  # set for the kernel tests only (tests/conftest.py)
@@ -44,7 +60,10 @@ class Server:
             self._log = open(log_path, "w")
             self.proc = subprocess.Popen(
                 [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(self.port)],
-                stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                start_new_session=True,
             )
             try:
                 self._wait(timeout)
@@ -55,8 +74,7 @@ class Server:
                     raise
                 kept = log_path.with_name(log_path.name + ".first-start.log")
                 log_path.replace(kept)
-                print(f"server.py: {argv[1]} exited while starting; starting it again ({kept}):\n{e}",
-                      file=sys.stderr)
+                print(f"server.py: {argv[1]} exited while starting; starting it again ({kept}):\n{e}", file=sys.stderr)
 
     def _wait(self, timeout: float) -> None:
         deadline = time.time() + timeout
@@ -81,12 +99,11 @@ class Server:
     def stream(self, payload: dict, timeout: float = 300) -> list[dict]:
         """POST a streamed /generate; returns its server-sent events (parsed)."""
         events = []
-        with requests.post(self.url + "/generate", json={**payload, "stream": True}, stream=True,
-                           timeout=timeout) as r:
+        with requests.post(self.url + "/generate", json={**payload, "stream": True}, stream=True, timeout=timeout) as r:
             assert r.status_code == 200, r.text
             for line in r.iter_lines():
                 if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    events.append(json.loads(line[len(b"data: "):]))
+                    events.append(json.loads(line[len(b"data: ") :]))
         return events
 
     def stop(self) -> None:
@@ -127,7 +144,9 @@ def stock_server(model_path: str, log_path: Path, *extra: str, plugin: bool = Fa
     plugin only for its CPU shims (LoRA needs them without CUDA); its hooks act on annotated
     requests alone, and this server is sent none."""
     env = {} if plugin else {"SGLANG_PLUGINS": "none"}
-    return Server(["-m", "sglang.launch_server", "--model-path", model_path, *STOCK_CPU_FLAGS, *extra], log_path, env=env, **kw)
+    return Server(
+        ["-m", "sglang.launch_server", "--model-path", model_path, *STOCK_CPU_FLAGS, *extra], log_path, env=env, **kw
+    )
 
 
 def agents_python() -> str:

@@ -53,8 +53,7 @@ def build_tiny_llama(
 
 
 def build_tiny_adapter(
-    model_dir: str, out_dir: Path, seed: int, rank: int = 4, targets: tuple = ("q_proj", "v_proj"),
-    b_std: float = 0.5,
+    model_dir: str, out_dir: Path, seed: int, rank: int = 4, targets: tuple = ("q_proj", "v_proj"), b_std: float = 0.5
 ) -> str:
     """A random PEFT LoRA adapter (default q_proj, v_proj) for a Llama model (the tiny one, or
     SmolLM2 in ``benchmarks.serving --agent-kind lora-random``); B is non-zero

@@ -41,6 +41,11 @@ def test_flash_lora_triton_on_cuda_matches_reference(shift):
     views, key_shift, leaves, fixed, kw = leaf_batch(shift)
     agent = torch.tensor([1, 0], dtype=torch.int32)
     ref = flash_lora_attention_reference(*fixed, agent=agent, **kw)
-    out = flash_lora_attention_triton(*_cuda(views), agent=agent.cuda(), key_shift=_cuda(key_shift),
-                                      key_leaf=_cuda(leaves), **{k: _cuda(v) for k, v in kw.items()})
+    out = flash_lora_attention_triton(
+        *_cuda(views),
+        agent=agent.cuda(),
+        key_shift=_cuda(key_shift),
+        key_leaf=_cuda(leaves),
+        **{k: _cuda(v) for k, v in kw.items()},
+    )
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)

@@ -68,8 +68,18 @@ def test_kvcmas_falls_back_then_corrects_and_chains(tiny_server):
 
 def test_a_strict_gate_rejects_and_computes_densely(tiny_server):
     for seed in (11, 12):
-        _workflow(tiny_server, f"strict-warm-{seed}", "kvcmas", _question(seed), ("solver", "critic"), slot="q-strict", tau=0.0)
-    metas = _workflow(tiny_server, "strict-run", "kvcmas", _question(13), ("solver", "critic"), slot="q-strict", tau=0.0)
+        _workflow(
+            tiny_server,
+            f"strict-warm-{seed}",
+            "kvcmas",
+            _question(seed),
+            ("solver", "critic"),
+            slot="q-strict",
+            tau=0.0,
+        )
+    metas = _workflow(
+        tiny_server, "strict-run", "kvcmas", _question(13), ("solver", "critic"), slot="q-strict", tau=0.0
+    )
     q = metas[1]["segments"][1]
     assert q["mode"] == "dense_fallback" and q["gate"] in ("entropy", "few_anchors")
     assert metas[1]["computed_tokens"] == metas[1]["prompt_tokens"]
@@ -130,8 +140,9 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
         _workflow(tiny_server, f"rows-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
     rows = dict(fallback="rows", fallback_block=block)
     # the probe's accepted correction as a copy (a KV leaf is low-rank), as the partial fallback keeps it
-    probe = _workflow(tiny_server, "rows-probe", "kvcmas", _question(53), agents, slot, tau=1.0, kv_views=False,
-                      **rows)[1]
+    probe = _workflow(
+        tiny_server, "rows-probe", "kvcmas", _question(53), agents, slot, tau=1.0, kv_views=False, **rows
+    )[1]
     q = probe["segments"][1]
     assert q["mode"] == "corrected" and q["rejected_blocks"] == 0 and q["block_size"] == block
     entropies, segment = q["block_entropies"], q["entropy"]
@@ -168,8 +179,9 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
     assert float(err_run[rows_of].sum()) < 0.5 * float(err_probe[rows_of].sum())
 
     # the same gate with the papers' fallback prefills the whole segment densely
-    dense = _workflow(tiny_server, "rows-dense-fallback", "kvcmas", _question(54), agents, slot, tau=0.0,
-                      fallback="dense")[1]
+    dense = _workflow(
+        tiny_server, "rows-dense-fallback", "kvcmas", _question(54), agents, slot, tau=0.0, fallback="dense"
+    )[1]
     assert dense["segments"][1]["mode"] == "dense_fallback" and "block_entropies" not in dense["segments"][1]
 
 
@@ -183,8 +195,9 @@ def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
     probe = _workflow(tiny_server, "head-probe", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False)[1]
     q = probe["segments"][1]
     assert q["mode"] == "corrected" and "recomputed_head" not in q and "recomputed_rows" not in q
-    meta = _workflow(tiny_server, "head-run", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False,
-                     recompute_head=head)[1]
+    meta = _workflow(
+        tiny_server, "head-run", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False, recompute_head=head
+    )[1]
     q = meta["segments"][1]
     assert q["mode"] == "corrected" and q["recomputed_head"] == head and q["recomputed_rows"] == head, json.dumps(q)
     assert q["injected_tokens"] == q["tokens"] - head
@@ -197,8 +210,12 @@ def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
 
 
 def test_bad_fallback_values_get_a_clear_error(tiny_server):
-    for extra, named in (({"fallback": "partial"}, "kvshare.fallback"), ({"fallback_block": 0}, "kvshare.fallback_block"),
-                         ({"fallback_block": 1.5}, "kvshare.fallback_block"), ({"recompute_head": -2}, "kvshare.recompute_head")):
+    for extra, named in (
+        ({"fallback": "partial"}, "kvshare.fallback"),
+        ({"fallback_block": 0}, "kvshare.fallback_block"),
+        ({"fallback_block": 1.5}, "kvshare.fallback_block"),
+        ({"recompute_head": -2}, "kvshare.recompute_head"),
+    ):
         r = tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2, **extra))
         assert r.status_code == 400 and named in r.text, r.text
     assert tiny_server.generate(payload("rows-bad", "solver", "kvcmas", segments("solver", {}), 2)).status_code == 200

@@ -37,8 +37,9 @@ def test_fused_write_equals_materialised_write(pool, chained):
     ref_idx, ref_start = torch.arange(20, 20 + N), 0
     start, k = 77, 7  # the target segment's position; rows a correction covers
     g = torch.Generator().manual_seed(1)
-    delta = KVDelta(torch.randn(LAYERS, k, HEADS * HEAD_DIM, generator=g),
-                    torch.randn(LAYERS, k, HEADS * HEAD_DIM, generator=g))
+    delta = KVDelta(
+        torch.randn(LAYERS, k, HEADS * HEAD_DIM, generator=g), torch.randn(LAYERS, k, HEADS * HEAD_DIM, generator=g)
+    )
     source = gather_canonical(pool, src_idx, src_start, rope)
     base = source if chained else gather_canonical(pool, ref_idx, ref_start, rope)
     want = apply_delta(base, source, delta, k)
@@ -50,7 +51,7 @@ def test_fused_write_equals_materialised_write(pool, chained):
     write_fused(pool, torch.arange(90, 90 + N), rows, positions, delta, k, start, rope)
     for layer in range(LAYERS):
         for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
-            torch.testing.assert_close(buf[90:90 + N], buf[60:60 + N], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(buf[90 : 90 + N], buf[60 : 60 + N], atol=1e-4, rtol=1e-4)
     # and what was written is the corrected cache at the target's positions
     torch.testing.assert_close(gather_canonical(pool, torch.arange(90, 90 + N), start, rope).v, want.v)
     assert isinstance(want, SegmentKV)

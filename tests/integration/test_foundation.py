@@ -108,8 +108,9 @@ def test_later_agents_compute_only_private_tokens(tiny_server):
     # server's default) stays in the source's slots: the tree grows by each prompt less those
     # tokens (and at most by its output more)
     grown = settle(tiny_server)["tree_tokens"] - before
-    owned = sum(out["meta_info"]["kvshare"]["prompt_tokens"] - out["meta_info"]["kvshare"]["view_tokens"]
-                for out in shared)
+    owned = sum(
+        out["meta_info"]["kvshare"]["prompt_tokens"] - out["meta_info"]["kvshare"]["view_tokens"] for out in shared
+    )
     assert sum(out["meta_info"]["kvshare"]["view_tokens"] for out in shared) >= 600
     assert owned <= grown <= owned + sum(out["meta_info"]["completion_tokens"] for out in shared)
     dense = run_workflow(tiny_server, "skip-nonshared", "nonshared")
@@ -172,7 +173,10 @@ def test_concurrent_workflows_finish_with_correct_counts(tiny_server):
         futures = [pool.submit(run_workflow, tiny_server, f"conc-{i}", "fullshared") for i in range(4)]
         results = [f.result(timeout=600) for f in futures]
     for responses in results:
-        assert responses[0]["meta_info"]["kvshare"]["computed_tokens"] == responses[0]["meta_info"]["kvshare"]["prompt_tokens"]
+        assert (
+            responses[0]["meta_info"]["kvshare"]["computed_tokens"]
+            == responses[0]["meta_info"]["kvshare"]["prompt_tokens"]
+        )
         for out in responses[1:]:
             meta = out["meta_info"]["kvshare"]
             missing = sum(s["tokens"] - s.get("injected_tokens", 0) for s in meta["segments"] if s["shared"])
@@ -189,8 +193,12 @@ def test_openai_chat_marks_messages_shared(tiny_server):
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}],
             "max_tokens": 4,
             "temperature": 0,
-            "kvshare": {"workflow": "chat-1", "agent": agent, "method": "fullshared",
-                        "shared_messages": shared if shared is not None else {"1": "q"}},
+            "kvshare": {
+                "workflow": "chat-1",
+                "agent": agent,
+                "method": "fullshared",
+                "shared_messages": shared if shared is not None else {"1": "q"},
+            },
             **extra,
         }
         return requests.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=300)
@@ -216,11 +224,22 @@ def test_openai_client_streams_an_annotated_chat(tiny_server):
 
     def chat(agent, stream, **extra):
         return client.chat.completions.create(
-            model="default", max_tokens=6, temperature=0, stream=stream,
+            model="default",
+            max_tokens=6,
+            temperature=0,
+            stream=stream,
             messages=[{"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": QUESTION}],
-            extra_body={"kvshare": {"workflow": "chat-stream", "agent": agent, "method": "fullshared",
-                                    "shared_messages": {"1": "q"}}, "ignore_eos": True},
-            **extra)
+            extra_body={
+                "kvshare": {
+                    "workflow": "chat-stream",
+                    "agent": agent,
+                    "method": "fullshared",
+                    "shared_messages": {"1": "q"},
+                },
+                "ignore_eos": True,
+            },
+            **extra,
+        )
 
     chat("solver", False)
     plain = chat("critic", False)
@@ -245,7 +264,9 @@ def test_an_evicted_source_means_dense_prefill_not_an_error(tiny_server):
     first = tiny_server.generate(payload("evict-1", "solver", "fullshared", segments("solver", {}), 4))
     assert first.status_code == 200
     flush_cache(tiny_server)
-    r = tiny_server.generate(payload("evict-1", "critic", "fullshared", segments("critic", {"solver": first.json()["text"]}), 4))
+    r = tiny_server.generate(
+        payload("evict-1", "critic", "fullshared", segments("critic", {"solver": first.json()["text"]}), 4)
+    )
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]["kvshare"]
     assert all(s["mode"] == "computed" for s in meta["segments"])
@@ -256,8 +277,9 @@ def test_help_lists_sglang_and_kvshare_flags():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "sglang_kvshare.launch_server", "--help"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_kvshare.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--model-path", "--attention-backend", "--kvshare-method", "--kvshare-tau", "--kvshare-dump-dir"):
         assert flag in out.stdout
@@ -288,7 +310,9 @@ def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
     assert "sglang:" in text  # SGLang's own metrics are there beside ours
     before = scrape_metrics(tiny_server)
     metas = [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-1", "fullshared")]
-    metas += [r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-2", "kvcmas", agents=("solver", "critic"))]
+    metas += [
+        r["meta_info"]["kvshare"] for r in run_workflow(tiny_server, "metrics-2", "kvcmas", agents=("solver", "critic"))
+    ]
     after = scrape_metrics(tiny_server)
 
     for method in ("fullshared", "kvcmas"):
@@ -303,7 +327,9 @@ def test_sharing_metrics_on_sglangs_metrics_endpoint(tiny_server):
     for s in gated:
         outcome = "accepted" if s["gate"] == "accepted" else "rejected"
         assert grew(before, after, "kvshare_corrections_total", method="kvcmas", outcome=outcome, reason=s["gate"]) >= 1
-    assert grew(before, after, "kvshare_correction_seconds_count", method="kvcmas") == len([m for m in metas if m["method"] == "kvcmas"])
+    assert grew(before, after, "kvshare_correction_seconds_count", method="kvcmas") == len(
+        [m for m in metas if m["method"] == "kvcmas"]
+    )
     assert after[("kvshare_anchor_bytes", (("method", "kvcmas"),))] == metas[-1]["anchor_bytes"]
 
 
@@ -314,11 +340,23 @@ def test_streamed_annotated_requests_are_counted(tiny_server):
 
     client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="none", max_retries=0)
     before = scrape_metrics(tiny_server)
-    chunks = list(client.chat.completions.create(
-        model="default", max_tokens=4, temperature=0, stream=True,
-        messages=[{"role": "system", "content": SYSTEM["solver"]}, {"role": "user", "content": QUESTION}],
-        extra_body={"kvshare": {"workflow": "metrics-stream", "agent": "solver", "method": "nonshared",
-                                "shared_messages": {"1": "q"}}}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            messages=[{"role": "system", "content": SYSTEM["solver"]}, {"role": "user", "content": QUESTION}],
+            extra_body={
+                "kvshare": {
+                    "workflow": "metrics-stream",
+                    "agent": "solver",
+                    "method": "nonshared",
+                    "shared_messages": {"1": "q"},
+                }
+            },
+        )
+    )
     chat_kv = chunks[-1].model_extra["kvshare"]
     events = tiny_server.stream(payload("metrics-stream", "critic", "nonshared", segments("critic", {}), 4))
     records = [e["meta_info"]["kvshare"] for e in events]
@@ -326,7 +364,8 @@ def test_streamed_annotated_requests_are_counted(tiny_server):
     after = scrape_metrics(tiny_server)
     assert grew(before, after, "kvshare_requests_total", method="nonshared") == 2
     assert grew(before, after, "kvshare_prompt_tokens_total", method="nonshared") == (
-        chat_kv["prompt_tokens"] + records[-1]["prompt_tokens"])
+        chat_kv["prompt_tokens"] + records[-1]["prompt_tokens"]
+    )
 
 
 def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny_server):
@@ -362,7 +401,12 @@ def test_a_segment_cut_chunk_beside_a_long_prompt_keeps_the_scheduler_alive(tiny
         assert other.status_code == 200, other.text
         meta = later.json()["meta_info"]["kvshare"]
         assert [s["mode"] for s in meta["segments"] if s["shared"]] == ["injected", "injected"]
-    assert tiny_server.generate(payload("cut-beside-long-ok", "solver", "nonshared", segments("solver", {}), 2)).status_code == 200
+    assert (
+        tiny_server.generate(
+            payload("cut-beside-long-ok", "solver", "nonshared", segments("solver", {}), 2)
+        ).status_code
+        == 200
+    )
 
 
 def test_plain_requests_never_enter_the_sharing_path(tiny_server):
@@ -374,8 +418,11 @@ def test_plain_requests_never_enter_the_sharing_path(tiny_server):
     text = "Plain traffic: " + QUESTION
     assert tiny_server.generate({"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).ok
     assert len(tiny_server.stream({"text": text + " Again.", "sampling_params": {"max_new_tokens": 6}})) >= 1
-    chat = requests.post(tiny_server.url + "/v1/chat/completions", timeout=300, json={
-        "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "stream": True})
+    chat = requests.post(
+        tiny_server.url + "/v1/chat/completions",
+        timeout=300,
+        json={"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "stream": True},
+    )
     assert chat.status_code == 200 and b"[DONE]" in chat.content
     plain = settle(tiny_server)["forwards"]
     assert plain["shared"] == before["shared"], (before, plain)

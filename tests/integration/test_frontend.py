@@ -103,7 +103,14 @@ def test_streamed_program_and_plain_program(tiny_server):
 
 
 def test_markup_parsing_and_errors():
-    text = agent_role("a", lora_path="lo") + "sys " + shared("Q", "q") + " glue " + agent_output("b", "B") + shared("", "e")
+    text = (
+        agent_role("a", lora_path="lo")
+        + "sys "
+        + shared("Q", "q")
+        + " glue "
+        + agent_output("b", "B")
+        + shared("", "e")
+    )
     header, segs = parse_marked(text)
     assert header.name == "a" and header.lora_path == "lo"
     assert segs == [

@@ -24,12 +24,18 @@ from sglang_kvshare.testing.workflows import SYSTEM, payload, run_workflow, segm
 
 CUDA = torch.cuda.is_available()
 GPU_BACKENDS = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
-TIERS = (
-    [pytest.param(b, {}, ("--dtype", "float16"), 2e-2, marks=pytest.mark.gpu, id=f"cuda-{b}")
-     for b in GPU_BACKENDS]
-    + [pytest.param("triton", {"TRITON_INTERPRET": "1"}, (), 1e-4, id="cpu-interpreted-triton",
-                    marks=pytest.mark.skipif(CUDA, reason="the CUDA tier runs the compiled kernels"))]
-)
+TIERS = [
+    pytest.param(b, {}, ("--dtype", "float16"), 2e-2, marks=pytest.mark.gpu, id=f"cuda-{b}") for b in GPU_BACKENDS
+] + [
+    pytest.param(
+        "triton",
+        {"TRITON_INTERPRET": "1"},
+        (),
+        1e-4,
+        id="cpu-interpreted-triton",
+        marks=pytest.mark.skipif(CUDA, reason="the CUDA tier runs the compiled kernels"),
+    )
+]
 
 
 @pytest.mark.parametrize("backend,env,flags,tol", TIERS)
@@ -37,8 +43,16 @@ def test_injection_on_a_gpu_attention_backend(tmp_path, tiny_model, backend, env
     from sglang_kvshare.integration.cache.radix import _safe
 
     dumps = tmp_path / "dumps"
-    server = kvshare_server(tiny_model, tmp_path / "server.log", "--attention-backend", backend, *flags,
-                            "--kvshare-dump-dir", str(dumps), env=env)
+    server = kvshare_server(
+        tiny_model,
+        tmp_path / "server.log",
+        "--attention-backend",
+        backend,
+        *flags,
+        "--kvshare-dump-dir",
+        str(dumps),
+        env=env,
+    )
 
     def load(workflow, agent, slot="q"):
         return torch.load(dumps / _safe(workflow) / _safe(agent) / f"{_safe(slot)}.pt", map_location="cpu")
@@ -46,8 +60,9 @@ def test_injection_on_a_gpu_attention_backend(tmp_path, tiny_model, backend, env
     try:
         for method in ("nonshared", "fullshared"):
             for agent, system in (("solver", SYSTEM["solver"]), ("twin", SYSTEM["solver"]), ("critic", None)):
-                r = server.generate(payload(f"gpu-{method}", agent, method,
-                                            segments("solver" if system else agent, {}, system), 4))
+                r = server.generate(
+                    payload(f"gpu-{method}", agent, method, segments("solver" if system else agent, {}, system), 4)
+                )
                 assert r.status_code == 200, r.text
                 if method == "fullshared" and agent != "solver":
                     q = r.json()["meta_info"]["kvshare"]["segments"][1]

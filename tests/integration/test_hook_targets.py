@@ -62,7 +62,11 @@ def test_admission_record_has_the_fields_we_rebuild():
     from sglang.srt.managers.schedule_policy import _PrefillAdmission
 
     assert _PrefillAdmission.__dataclass_fields__.keys() == {
-        "prefix_len", "extend_len", "max_new_tokens", "is_chunked", "replay_len"
+        "prefix_len",
+        "extend_len",
+        "max_new_tokens",
+        "is_chunked",
+        "replay_len",
     }
 
 

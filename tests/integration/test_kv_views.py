@@ -93,14 +93,20 @@ def test_tree_and_view_tokens_are_gauges(tiny_server):
     tree_tokens = settle(tiny_server)["tree_tokens"]
     deadline = time.time() + 60  # an idle scheduler republishes once its running count went stale
     while (_gauge(tiny_server, "kvshare_tree_tokens"), _gauge(tiny_server, "kvshare_view_tokens")) != (
-            tree_tokens, 0) and time.time() < deadline:
+        tree_tokens,
+        0,
+    ) and time.time() < deadline:
         time.sleep(0.5)
     assert _gauge(tiny_server, "kvshare_tree_tokens") == tree_tokens > viewed
     assert _gauge(tiny_server, "kvshare_view_tokens") == 0
 
 
 def _facts(seed: int, n: int) -> str:
-    return "Question: " + " ".join(f"Fact {i}: box {i} holds {(seed * 31 + i * 7) % 90} red apples." for i in range(n)) + " Sum?"
+    return (
+        "Question: "
+        + " ".join(f"Fact {i}: box {i} holds {(seed * 31 + i * 7) % 90} red apples." for i in range(n))
+        + " Sum?"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +118,7 @@ def _kvcmas(server, wf: str, question: str, slot: str, **extra) -> list[dict]:
     """The 3-agent kvcmas chain over ``question`` (gate open), greedy, with logprobs."""
     outputs, results = {}, []
     for agent in AGENTS:
-        body = payload(wf, agent, "kvcmas", segments(agent, outputs, question=question, slot=slot), 8, tau=1.0,
-                       **extra)
+        body = payload(wf, agent, "kvcmas", segments(agent, outputs, question=question, slot=slot), 8, tau=1.0, **extra)
         body["return_logprob"] = True
         r = server.generate(body)
         assert r.status_code == 200, r.text
@@ -215,16 +220,29 @@ def small_pool_server(tmp_path_factory, tiny_model):
 def _read_under_pressure(server, wf: str, question: str) -> dict:
     """A solver over ``question``, then a plain request that leaves about 150 free slots, then
     the critic's correction of the question (gate open): the critic's response."""
-    first = server.generate(payload(wf, "solver", "kvcmas", segments("solver", {}, question=question, slot="q-policy"),
-                                    8, tau=1.0))
+    first = server.generate(
+        payload(wf, "solver", "kvcmas", segments("solver", {}, question=question, slot="q-policy"), 8, tau=1.0)
+    )
     assert first.status_code == 200, first.text
     total = requests.get(server.url + "/server_info", timeout=30).json()["max_total_num_tokens"]
     filler = total - settle(server)["tree_tokens"] - 150
-    plain = server.generate({"input_ids": [1000 + i % 5000 for i in range(filler)],
-                             "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    plain = server.generate(
+        {
+            "input_ids": [1000 + i % 5000 for i in range(filler)],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        }
+    )
     assert plain.status_code == 200, plain.text
-    read = server.generate(payload(wf, "critic", "kvcmas", segments("critic", {"solver": first.json()["text"]},
-                                                                   question=question, slot="q-policy"), 8, tau=1.0))
+    read = server.generate(
+        payload(
+            wf,
+            "critic",
+            "kvcmas",
+            segments("critic", {"solver": first.json()["text"]}, question=question, slot="q-policy"),
+            8,
+            tau=1.0,
+        )
+    )
     assert read.status_code == 200, read.text
     q = _segment(read.json())
     assert q["corrected_rows"] > 150, q
@@ -243,8 +261,16 @@ def test_leaf_policy_copies_with_room_and_leafs_when_a_copy_would_evict_reused_k
         for agent in AGENTS:
             if outputs:
                 time.sleep(pause)
-            r = server.generate(payload(f"policy-warm-{seed}", agent, "kvcmas",
-                                        segments(agent, outputs, question=_facts(seed, 24), slot="q-policy"), 8, tau=1.0))
+            r = server.generate(
+                payload(
+                    f"policy-warm-{seed}",
+                    agent,
+                    "kvcmas",
+                    segments(agent, outputs, question=_facts(seed, 24), slot="q-policy"),
+                    8,
+                    tau=1.0,
+                )
+            )
             assert r.status_code == 200, r.text
             outputs[agent] = r.json()["text"]
     assert settle(server)["reuse_horizon_s"] >= pause

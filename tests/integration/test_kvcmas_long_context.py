@@ -72,8 +72,9 @@ def test_a_long_lived_server_corrects_long_contexts_after_a_short_warm_up(tmp_pa
         state = settle(server)
         assert state["anchor_bytes"] <= state["anchor_budget_bytes"]
         anchors = state["correctors"]["kvcmas"]["num_anchors"]
-        saved = requests.post(server.url + "/set_internal_state",
-                              json={"server_args": {"kvshare_save_anchor_pool": 1}}, timeout=120)
+        saved = requests.post(
+            server.url + "/set_internal_state", json={"server_args": {"kvshare_save_anchor_pool": 1}}, timeout=120
+        )
         assert saved.status_code == 200 and pool_file.stat().st_size > 0
     finally:
         server.stop()

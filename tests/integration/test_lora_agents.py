@@ -40,8 +40,9 @@ def test_lora_agents_nonshared_match_stock_lora(lora_servers, tiny_model):
         out = _turn(ours, "lora-dense", agent, "nonshared", outputs)
         segs = segments(agent, outputs, system=SYSTEM)
         ids = [t for s in segs for t in tok.encode(s["text"], add_special_tokens=False)]
-        ref = stock.generate({"input_ids": ids, "lora_path": agent,
-                              "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+        ref = stock.generate(
+            {"input_ids": ids, "lora_path": agent, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        )
         assert ref.status_code == 200, ref.text
         assert out["output_ids"] == ref.json()["output_ids"]
         outputs[agent] = out["text"]

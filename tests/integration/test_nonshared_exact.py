@@ -39,8 +39,9 @@ def test_nonshared_is_greedy_identical_to_stock_sglang(tmp_path, smollm2_path):
     for i, n in enumerate(LENGTHS):
         role = roles[1 + i % 2]  # a later agent: it reads the earlier agents' outputs
         reads = [(r.name, r.title, f"{r.title} thinks note {i % 7 + 1} is the hardest.") for r in roles[: 1 + i % 2]]
-        body = build_payload(role, build_segments(role, make_context(tok, n, f"exact-{i}"), reads), f"exact-{i}",
-                             "nonshared", 8)
+        body = build_payload(
+            role, build_segments(role, make_context(tok, n, f"exact-{i}"), reads), f"exact-{i}", "nonshared", 8
+        )
         body.update(return_logprob=True, top_logprobs_num=TOP, return_prompt_token_ids=True)
         body["sampling_params"]["ignore_eos"] = True
         bodies.append(body)
@@ -57,10 +58,15 @@ def test_nonshared_is_greedy_identical_to_stock_sglang(tmp_path, smollm2_path):
     try:
         for out in ours:
             top_ids = [tid for _, tid, *_ in out["meta_info"]["output_top_logprobs"][0]]
-            r = server.generate({"input_ids": out["prompt_token_ids"], "return_logprob": True,
-                                 "token_ids_logprob": top_ids,
-                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}},
-                                timeout=600)
+            r = server.generate(
+                {
+                    "input_ids": out["prompt_token_ids"],
+                    "return_logprob": True,
+                    "token_ids_logprob": top_ids,
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+                },
+                timeout=600,
+            )
             assert r.status_code == 200, r.text
             stock.append(r.json())
     finally:

@@ -13,9 +13,11 @@ from sglang_kvshare.testing.server import kvshare_server, running, stock_server
 from sglang_kvshare.testing.tiny_model import build_tiny_adapter
 
 AGENTS = ("planner", "actor", "reflector")
-HEADER = "<|im_start|>system\nA team of agents works on one task. Task: " + " ".join(
-    f"step {i} moves crate {i} to shelf {i % 4}." for i in range(20)
-) + "<|im_end|>\n"
+HEADER = (
+    "<|im_start|>system\nA team of agents works on one task. Task: "
+    + " ".join(f"step {i} moves crate {i} to shelf {i % 4}." for i in range(20))
+    + "<|im_end|>\n"
+)
 OBS = [f"Observation {t}: " + " ".join(f"item {t}-{i} is ready." for i in range(6 + t)) for t in range(8)]
 
 
@@ -23,12 +25,18 @@ OBS = [f"Observation {t}: " + " ".join(f"item {t}-{i} is ready." for i in range(
 def lr_servers(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("precache")
     paths = [f"{a}={build_tiny_adapter(tiny_model, d / a, seed=10 + i)}" for i, a in enumerate(AGENTS)]
-    flags = ["--enable-lora", "--lora-paths", *paths, "--lora-backend", "torch_native",
-             "--max-loras-per-batch", "4"]
+    flags = ["--enable-lora", "--lora-paths", *paths, "--lora-backend", "torch_native", "--max-loras-per-batch", "4"]
     with running(
         # priority scheduling: rebase_shared_lp queues its rebuild at the lowest priority
-        lambda: kvshare_server(tiny_model, d / "ours.log", *flags, "--kvshare-lr-cache", "--enable-priority-scheduling",
-                               "--kvshare-dump-dir", str(d / "dumps")),
+        lambda: kvshare_server(
+            tiny_model,
+            d / "ours.log",
+            *flags,
+            "--kvshare-lr-cache",
+            "--enable-priority-scheduling",
+            "--kvshare-dump-dir",
+            str(d / "dumps"),
+        ),
         lambda: stock_server(tiny_model, d / "stock.log", *flags, plugin=True),
     ) as (ours, stock):
         ours.dump_dir = d / "dumps"
@@ -85,7 +93,8 @@ def test_lr_split_attention_matches_stock_lora(lr_servers, tiny_model):
         assert kv["lr_bytes_per_token_per_agent"] > 0
         # SGLang sized the pool with the LR bytes of all 4 columns and the LP stash beside the KV bytes
         assert kv["pool_cell_bytes_per_token"] == (
-            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"])
+            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"]
+        )
         # and the LP stash's room: one more column (--kvshare-lp-stash-columns 1, the default)
         assert kv["lp_stash_bytes_per_token"] == kv["lr_bytes_per_token_per_agent"]
     with ThreadPoolExecutor(3) as pool:
@@ -103,8 +112,10 @@ def _round_robin(server, method, turns=6):
 
 def test_computed_tokens_in_a_round_robin(lr_servers):
     ours, _ = lr_servers
-    runs = {m: _round_robin(ours, m)
-            for m in ("nonshared", "baseshared", "prelr_shared", "rebase_shared_lp", "rebase_shared_db")}
+    runs = {
+        m: _round_robin(ours, m)
+        for m in ("nonshared", "baseshared", "prelr_shared", "rebase_shared_lp", "rebase_shared_db")
+    }
     prompt = [m["prompt_tokens"] for m in runs["nonshared"]]
     for method, metas in runs.items():
         assert [m["prompt_tokens"] for m in metas] == prompt, method
@@ -148,10 +159,19 @@ def test_rebase_lp_leaves_the_adapter_free_cache(lr_servers):
     the rebuild and is charged with its tokens."""
     ours, _ = lr_servers
     first = ask(ours, "rb-lp", "rebase_shared_lp", 0)
-    events = ours.stream({"sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True,
-                          "lora_path": AGENTS[1], "kvshare": {"workflow": "rb-lp", "agent": AGENTS[1],
-                                                              "method": "rebase_shared_lp",
-                                                              "segments": turn_segments(1)}})
+    events = ours.stream(
+        {
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "stream": True,
+            "lora_path": AGENTS[1],
+            "kvshare": {
+                "workflow": "rb-lp",
+                "agent": AGENTS[1],
+                "method": "rebase_shared_lp",
+                "segments": turn_segments(1),
+            },
+        }
+    )
     third = ask(ours, "rb-lp", "rebase_shared_lp", 2)
     neutral = [ask(ours, "rb-neutral", "prelr_shared", t, lora=t == 2) for t in range(3)]
     assert third["output_ids"] == neutral[2]["output_ids"]
@@ -169,8 +189,10 @@ def test_rebase_db_and_lp_leave_identical_caches(lr_servers):
     computes the same tokens and gets the same first-token distribution and greedy output."""
     ours, _ = lr_servers
     logprobs = {"return_logprob": True, "top_logprobs_num": 5}
-    runs = {m: [ask(ours, f"same-{m}", m, t, **logprobs) for t in range(4)]
-            for m in ("rebase_shared_lp", "rebase_shared_db")}
+    runs = {
+        m: [ask(ours, f"same-{m}", m, t, **logprobs) for t in range(4)]
+        for m in ("rebase_shared_lp", "rebase_shared_db")
+    }
     lp, db = runs["rebase_shared_lp"], runs["rebase_shared_db"]
     for t in range(4):
         assert db[t]["output_ids"] == lp[t]["output_ids"], t
@@ -200,13 +222,15 @@ def own_column_refs(lr_servers):
     ours, _ = lr_servers
     ask(ours, "own-ref-adapted", "nonshared", 1, agent="planner")
     ask(ours, "own-ref-neutral", "nonshared", 1, agent="planner", lora=False)
-    dumps = {name: torch.load(ours.dump_dir / f"own-ref-{name}" / "planner" / "turn0.pt")
-             for name in ("adapted", "neutral")}
+    dumps = {
+        name: torch.load(ours.dump_dir / f"own-ref-{name}" / "planner" / "turn0.pt") for name in ("adapted", "neutral")
+    }
     later = {}
     for reader in ("actor", "planner"):
         ask(ours, f"own-ref-{reader}", "prelr_shared", 1, agent="planner", lora=False)
-        later[reader] = ask(ours, f"own-ref-{reader}", "prelr_shared", 2, agent=reader,
-                            return_logprob=True, top_logprobs_num=5)
+        later[reader] = ask(
+            ours, f"own-ref-{reader}", "prelr_shared", 2, agent=reader, return_logprob=True, top_logprobs_num=5
+        )
     return dumps, later
 
 
@@ -266,22 +290,34 @@ def test_rebase_db_in_a_concurrent_batch_and_streamed(lr_servers, tiny_model):
     ours, stock = lr_servers
     tok = AutoTokenizer.from_pretrained(tiny_model)
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda a: ask(ours, f"conc-{a}", "rebase_shared_db", 2, agent=a, max_new_tokens=8), AGENTS))
+        outs = list(
+            pool.map(lambda a: ask(ours, f"conc-{a}", "rebase_shared_db", 2, agent=a, max_new_tokens=8), AGENTS)
+        )
     for agent, out in zip(AGENTS, outs):
         assert out["output_ids"] == stock_generate(stock, stock_ids(tok, 2), agent, 8), agent
         meta = out["meta_info"]["kvshare"]
         assert meta["rebuild_tokens"] == meta["computed_tokens"] + len(out["output_ids"]) - 1, agent
-    body = {"sampling_params": {"max_new_tokens": 8, "temperature": 0}, "stream": True, "lora_path": "actor",
-            "kvshare": {"workflow": "conc-planner", "agent": "actor", "method": "rebase_shared_db",
-                        "segments": turn_segments(3)}}
+    body = {
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+        "stream": True,
+        "lora_path": "actor",
+        "kvshare": {
+            "workflow": "conc-planner",
+            "agent": "actor",
+            "method": "rebase_shared_db",
+            "segments": turn_segments(3),
+        },
+    }
     events = ours.stream(body)
     assert events and events[-1]["meta_info"]["kvshare"]["rebuild_tokens"] > 0
     assert events[-1]["meta_info"]["kvshare"]["computed_tokens"] < events[-1]["meta_info"]["prompt_tokens"]
 
 
 def test_lr_methods_need_the_lr_cache(tiny_server):
-    body = {"sampling_params": {"max_new_tokens": 2},
-            "kvshare": {"workflow": "w", "agent": "a", "method": "prelr_shared", "segments": turn_segments(1)}}
+    body = {
+        "sampling_params": {"max_new_tokens": 2},
+        "kvshare": {"workflow": "w", "agent": "a", "method": "prelr_shared", "segments": turn_segments(1)},
+    }
     r = tiny_server.generate(body)
     assert r.status_code == 400 and "--kvshare-lr-cache" in r.text
     body["kvshare"]["method"] = "nonshared"
@@ -291,8 +327,11 @@ def test_lr_methods_need_the_lr_cache(tiny_server):
 def test_lr_cache_server_refuses_correcting_and_recomputing_methods_for_adapters(lr_servers):
     ours, _ = lr_servers
     for method in ("kvcmas", "cacheblend"):
-        body = {"sampling_params": {"max_new_tokens": 2}, "lora_path": AGENTS[0],
-                "kvshare": {"workflow": "w-refuse", "agent": AGENTS[0], "method": method, "segments": turn_segments(1)}}
+        body = {
+            "sampling_params": {"max_new_tokens": 2},
+            "lora_path": AGENTS[0],
+            "kvshare": {"workflow": "w-refuse", "agent": AGENTS[0], "method": method, "segments": turn_segments(1)},
+        }
         r = ours.generate(body)
         assert r.status_code == 400 and "corrects or recomputes" in r.text, method
     assert ask(ours, "w-refuse", "prelr_shared", 1)["meta_info"]["kvshare"]["method"] == "prelr_shared"
@@ -313,8 +352,9 @@ def test_one_server_serves_prompt_agents_and_lora_agents_concurrently(lr_servers
     def prompt_workflow(wf, method, question, **extra):
         outputs, metas = {}, []
         for agent in ("solver", "critic", "final"):
-            r = ours.generate(payload(wf, agent, method, segments(agent, outputs, question=question, slot="q-mixed"),
-                                      6, **extra))
+            r = ours.generate(
+                payload(wf, agent, method, segments(agent, outputs, question=question, slot="q-mixed"), 6, **extra)
+            )
             assert r.status_code == 200, r.text
             out = r.json()
             metas.append(out["meta_info"]["kvshare"])
@@ -342,7 +382,9 @@ def test_one_server_serves_prompt_agents_and_lora_agents_concurrently(lr_servers
     assert critic_q["mode"] == "corrected" and critic_q["gate"] == "accepted", critic_q
     for meta in res["fullshared"][1:]:
         assert meta["injected_tokens"] > 0 and meta["computed_tokens"] < meta["prompt_tokens"]
-    q = res["cacheblend"][1]["segments"][1]  # the critic's question: recomputed from the solver's (2 layers: CacheBlend's check pass is all of them)
+    q = res["cacheblend"][1]["segments"][
+        1
+    ]  # the critic's question: recomputed from the solver's (2 layers: CacheBlend's check pass is all of them)
     assert q["mode"] == "recomputed" and q["source_agent"] == "solver" and q["recomputed_token_layers"] > 0, q
     for t, meta in enumerate(res["prelr"][1:], start=1):
         assert meta["method"] == "prelr_shared" and meta["computed_tokens"] < meta["prompt_tokens"], t

@@ -26,17 +26,28 @@ B_STD = 0.15
 @pytest.fixture(scope="module")
 def qkvo_servers(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("qkvo")
-    dirs = {a: build_tiny_adapter(tiny_model, d / a, seed=30 + i, rank=RANK, targets=TARGETS[a],
-                                   b_std=B_STD)
-            for i, a in enumerate(AGENTS)}
+    dirs = {
+        a: build_tiny_adapter(tiny_model, d / a, seed=30 + i, rank=RANK, targets=TARGETS[a], b_std=B_STD)
+        for i, a in enumerate(AGENTS)
+    }
     paths = [f"{a}={p}" for a, p in dirs.items()]
     no_k = f"planner-nok={without_module(dirs['planner'], d / 'planner-nok', 'k_proj')}"
     common = ["--enable-lora", "--lora-backend", "torch_native", "--lora-paths"]
     with running(
-        lambda: kvshare_server(tiny_model, d / "ours.log", *common, *paths, "--max-loras-per-batch", "4",
-                               "--kvshare-lr-cache", "--kvshare-dump-dir", str(d / "dumps")),
-        lambda: stock_server(tiny_model, d / "stock.log", *common, *paths, no_k, "--max-loras-per-batch", "5",
-                             plugin=True),
+        lambda: kvshare_server(
+            tiny_model,
+            d / "ours.log",
+            *common,
+            *paths,
+            "--max-loras-per-batch",
+            "4",
+            "--kvshare-lr-cache",
+            "--kvshare-dump-dir",
+            str(d / "dumps"),
+        ),
+        lambda: stock_server(
+            tiny_model, d / "stock.log", *common, *paths, no_k, "--max-loras-per-batch", "5", plugin=True
+        ),
     ) as (ours, stock):
         ours.dump_dir = d / "dumps"
         yield ours, stock
@@ -57,12 +68,15 @@ def test_qkvo_nonshared_matches_stock_lora(qkvo_servers, tiny_model):
         kv = out["meta_info"]["kvshare"]
         assert kv["lr_bytes_per_token_per_agent"] == 2 * 2 * RANK * 4
         assert kv["pool_cell_bytes_per_token"] == (
-            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"])
+            kv["kv_bytes_per_token"] + 4 * kv["lr_bytes_per_token_per_agent"] + kv["lp_stash_bytes_per_token"]
+        )
         # and the LP stash's room: one more column (--kvshare-lp-stash-columns 1, the default)
         assert kv["lp_stash_bytes_per_token"] == kv["lr_bytes_per_token_per_agent"]
     assert stock_generate(stock, ids, "planner-nok", 12) != stock_generate(stock, ids, "planner", 12)
     with ThreadPoolExecutor(3) as pool:
-        outs = list(pool.map(lambda a: ask(ours, f"qkvo-mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS))
+        outs = list(
+            pool.map(lambda a: ask(ours, f"qkvo-mixed-{a}", "nonshared", 4, agent=a, max_new_tokens=12), AGENTS)
+        )
     ids = stock_ids(tok, 4)
     for agent, out in zip(AGENTS, outs):
         assert out["output_ids"] == stock_generate(stock, ids, agent, 12), agent
@@ -118,12 +132,24 @@ def one_layer_server(tmp_path_factory, smollm2_path):
     precomputes for agent j from another agent's turn are exactly j's own."""
     d = tmp_path_factory.mktemp("qkvo-1l")
     model = build_tiny_llama(d / "model", smollm2_path, num_layers=1)
-    dirs = {a: build_tiny_adapter(model, d / a, seed=40 + i, rank=RANK, targets=TARGETS[a], b_std=B_STD)
-            for i, a in enumerate(AGENTS)}
+    dirs = {
+        a: build_tiny_adapter(model, d / a, seed=40 + i, rank=RANK, targets=TARGETS[a], b_std=B_STD)
+        for i, a in enumerate(AGENTS)
+    }
     no_k = without_module(dirs["planner"], d / "planner-nok", "k_proj")
-    server = kvshare_server(model, d / "ours.log", "--enable-lora", "--lora-backend", "torch_native",
-                            "--lora-paths", *[f"{a}={p}" for a, p in dirs.items()], f"planner-nok={no_k}",
-                            "--max-loras-per-batch", "5", "--kvshare-lr-cache")
+    server = kvshare_server(
+        model,
+        d / "ours.log",
+        "--enable-lora",
+        "--lora-backend",
+        "torch_native",
+        "--lora-paths",
+        *[f"{a}={p}" for a, p in dirs.items()],
+        f"planner-nok={no_k}",
+        "--max-loras-per-batch",
+        "5",
+        "--kvshare-lr-cache",
+    )
     yield server
     server.stop()
 
@@ -134,16 +160,17 @@ def test_prelr_serves_later_agents_from_precomputed_key_and_value_columns(one_la
     exactly nonshared's output."""
     ours = one_layer_server
     turns = 6
-    runs = {m: [ask(ours, f"qkvo-rr-{m}", m, t, max_new_tokens=8) for t in range(turns)]
-            for m in ("nonshared", "prelr_shared")}
+    runs = {
+        m: [ask(ours, f"qkvo-rr-{m}", m, t, max_new_tokens=8) for t in range(turns)]
+        for m in ("nonshared", "prelr_shared")
+    }
     prompt = [r["meta_info"]["kvshare"]["prompt_tokens"] for r in runs["nonshared"]]
     for t in range(1, turns):
         pre = runs["prelr_shared"][t]["meta_info"]["kvshare"]
         assert pre["computed_tokens"] <= prompt[t] - prompt[t - 1], t  # only the turn's new tokens
         assert runs["prelr_shared"][t]["output_ids"] == runs["nonshared"][t]["output_ids"], t
     # the key delta acts on this model too: the planner without k_proj answers otherwise
-    no_k = ask(ours, "qkvo-nok", "nonshared", 3, agent="planner", lora=False,
-               lora_path="planner-nok", max_new_tokens=8)
+    no_k = ask(ours, "qkvo-nok", "nonshared", 3, agent="planner", lora=False, lora_path="planner-nok", max_new_tokens=8)
     assert no_k["output_ids"] != runs["nonshared"][3]["output_ids"]
 
 
@@ -152,7 +179,17 @@ def test_unservable_adapter_is_a_startup_error_naming_it(tmp_path, tiny_model):
     cfg = Path(bad) / "adapter_config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "rank_pattern": {"k_proj": 2}}))
     with pytest.raises(RuntimeError, match="server exited") as err:
-        kvshare_server(tiny_model, tmp_path / "bad.log", "--enable-lora", "--lora-backend", "torch_native",
-                       "--lora-paths", f"critic={bad}", "--kvshare-lr-cache", timeout=120, starts=1)
+        kvshare_server(
+            tiny_model,
+            tmp_path / "bad.log",
+            "--enable-lora",
+            "--lora-backend",
+            "torch_native",
+            "--lora-paths",
+            f"critic={bad}",
+            "--kvshare-lr-cache",
+            timeout=120,
+            starts=1,
+        )
     assert "adapter 'critic' cannot be served with --kvshare-lr-cache" in str(err.value)
     assert "rank_pattern" in str(err.value)

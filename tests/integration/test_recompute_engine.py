@@ -32,8 +32,12 @@ def server(tmp_path_factory, deep_model):
     d = tmp_path_factory.mktemp("recompute")
     (d / "profile.json").write_text(json.dumps({"layer_deviation": PROFILE}))
     srv = kvshare_server(
-        deep_model, d / "server.log", "--kvshare-dump-dir", str(d / "dumps"),
-        "--kvshare-droidspeak-profile", str(d / "profile.json"),
+        deep_model,
+        d / "server.log",
+        "--kvshare-dump-dir",
+        str(d / "dumps"),
+        "--kvshare-droidspeak-profile",
+        str(d / "profile.json"),
     )
     srv.dump_dir = d / "dumps"
     yield srv
@@ -152,8 +156,15 @@ def lora_server(tmp_path_factory, deep_model):
     d = tmp_path_factory.mktemp("recompute-lora")
     paths = [f"{a}={build_tiny_adapter(deep_model, d / a, seed=i + 1)}" for i, a in enumerate(LORA_AGENTS)]
     srv = kvshare_server(
-        deep_model, d / "server.log", "--enable-lora", "--lora-paths", *paths,
-        "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
+        deep_model,
+        d / "server.log",
+        "--enable-lora",
+        "--lora-paths",
+        *paths,
+        "--lora-backend",
+        "torch_native",
+        "--max-loras-per-batch",
+        "4",
     )
     yield srv
     srv.stop()
@@ -190,8 +201,10 @@ def test_lora_agents_recompute_under_their_own_adapter(lora_server, method):
     with ThreadPoolExecutor(2) as pool:
         part, plain = pool.map(
             lambda a: _lora_turn(lora_server, *a),
-            [(wf, "critic", method, {"solver": solver["text"]}),
-             (wf + "-dense", "critic", "nonshared", {"solver": solver["text"]})],
+            [
+                (wf, "critic", method, {"solver": solver["text"]}),
+                (wf + "-dense", "critic", "nonshared", {"solver": solver["text"]}),
+            ],
         )
     assert plain["output_ids"] == dense[1]["output_ids"]
     q = _shared(part["meta_info"]["kvshare"])[0]

@@ -54,12 +54,30 @@ def cluster(tmp_path_factory, tiny_model):
     d = tmp_path_factory.mktemp("router")
     base = _free_pair()
     # each worker keeps its anchor pools in its own file (anchors.w0.pt, anchors.w1.pt)
-    worker_flags = ["--model-path", tiny_model, "--max-total-tokens", "8192",
-                    "--kvshare-anchor-pool", str(d / "anchors.pt"), "--kvshare-auto", "fullshared"]
+    worker_flags = [
+        "--model-path",
+        tiny_model,
+        "--max-total-tokens",
+        "8192",
+        "--kvshare-anchor-pool",
+        str(d / "anchors.pt"),
+        "--kvshare-auto",
+        "fullshared",
+    ]
     server = Server(
-        ["-m", "sglang_kvshare.launch_router", "--workers", "2", "--worker-base-port", str(base),
-         "--log-dir", str(d), *worker_flags],
-        d / "launcher.log", timeout=1500,
+        [
+            "-m",
+            "sglang_kvshare.launch_router",
+            "--workers",
+            "2",
+            "--worker-base-port",
+            str(base),
+            "--log-dir",
+            str(d),
+            *worker_flags,
+        ],
+        d / "launcher.log",
+        timeout=1500,
     )
     server.dir, server.worker_flags, server.pool = d, worker_flags, str(d / "anchors.pt")
     server.worker_urls = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
@@ -84,8 +102,9 @@ KILLED: dict = {}  # "url": the worker test_killed_worker_loses_nothing killed
 
 
 def post(url: str, body: dict, headers: bool = True, timeout: float = 600) -> requests.Response:
-    return requests.post(url + "/generate", json=body, headers=routing_headers(body) if headers else {},
-                         timeout=timeout)
+    return requests.post(
+        url + "/generate", json=body, headers=routing_headers(body) if headers else {}, timeout=timeout
+    )
 
 
 def agent_body(workflow: str, agent: str, outputs: dict, max_new_tokens: int = 4) -> dict:
@@ -126,10 +145,13 @@ def test_workflow_sender_and_chat_carry_the_workflow(cluster):
     assert second["meta_info"]["kvshare"]["injected_tokens"] > 0
 
     def chat(agent):
-        body = {"model": cluster.model, "max_tokens": 3, "temperature": 0,
-                "messages": [{"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": SHORT_Q}],
-                "kvshare": {"workflow": "rt-chat", "agent": agent, "method": "fullshared",
-                            "shared_messages": {"1": "q"}}}
+        body = {
+            "model": cluster.model,
+            "max_tokens": 3,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": SHORT_Q}],
+            "kvshare": {"workflow": "rt-chat", "agent": agent, "method": "fullshared", "shared_messages": {"1": "q"}},
+        }
         r = requests.post(cluster.url + "/v1/chat/completions", json=body, headers=routing_headers(body), timeout=600)
         assert r.status_code == 200, r.text
         return r.json()
@@ -176,8 +198,15 @@ def test_unannotated_agents_are_pinned_by_the_workflow_header(cluster):
     workflows = [f"rt-auto-{i}" for i in range(4)]
 
     def chat(workflow, agent):
-        body = {"model": cluster.model, "max_tokens": 3, "temperature": 0, "messages": [
-            {"role": "system", "content": SYSTEM[agent]}, {"role": "user", "content": f"Case {workflow}. {SHORT_Q}"}]}
+        body = {
+            "model": cluster.model,
+            "max_tokens": 3,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": SYSTEM[agent]},
+                {"role": "user", "content": f"Case {workflow}. {SHORT_Q}"},
+            ],
+        }
         headers = {"X-KVShare-Workflow": workflow, "Authorization": f"Bearer tenant-{workflow}"}
         r = requests.post(cluster.url + "/v1/chat/completions", json=body, headers=headers, timeout=600)
         assert r.status_code == 200, r.text
@@ -289,8 +318,14 @@ def _kvcmas_workflows(url: str, workflows, threads: int = 1):
         for w, r in zip(workflows, pool.map(lambda w: post(url, _kvcmas_body(w, "solver", {})), workflows)):
             assert r.status_code == 200, (w, r.status_code, r.text)
             solver[w] = r
-        critic = dict(zip(workflows, pool.map(
-            lambda w: post(url, _kvcmas_body(w, "critic", {"solver": solver[w].json()["text"]})), workflows)))
+        critic = dict(
+            zip(
+                workflows,
+                pool.map(
+                    lambda w: post(url, _kvcmas_body(w, "critic", {"solver": solver[w].json()["text"]})), workflows
+                ),
+            )
+        )
     for w, r in critic.items():
         assert r.status_code == 200, (w, r.status_code, r.text)
     return {w: (solver[w], critic[w]) for w in workflows}
@@ -339,8 +374,12 @@ def test_restarted_worker_rejoins_and_starts_warm_from_a_sibling_pool(cluster):
     assert argv[-4:] == ["--host", "127.0.0.1", "--port", str(_port(victim))]
     restarted = None
     try:
-        restarted = Server([*argv[1:-4], "--kvshare-anchor-pool-seed", seed], cluster.dir / "restarted.log",
-                           timeout=900, port=_port(victim))
+        restarted = Server(
+            [*argv[1:-4], "--kvshare-anchor-pool-seed", seed],
+            cluster.dir / "restarted.log",
+            timeout=900,
+            port=_port(victim),
+        )
         wait_router(cluster.url, 2, timeout=120)  # registered and healthy again
         rejoined = time.time() - t0
         stop.set()
@@ -366,8 +405,10 @@ def test_restarted_worker_rejoins_and_starts_warm_from_a_sibling_pool(cluster):
             # every later agent reuses; on the restarted worker its first workflows are already
             # corrected with the seed's two anchors (a cold worker has none: dense fallback)
             assert q["mode"] == "corrected" and q["gate"] == "accepted" and q["anchors"] >= 2, (w, placed[w], q)
-        print(f"rejoined after {rejoined:.1f} s ({len(codes)} requests meanwhile, all 200); "
-              f"{sum(p == victim for p in placed.values())} of {len(placed)} new workflows on it, all corrected")
+        print(
+            f"rejoined after {rejoined:.1f} s ({len(codes)} requests meanwhile, all 200); "
+            f"{sum(p == victim for p in placed.values())} of {len(placed)} new workflows on it, all corrected"
+        )
     finally:
         stop.set()
         if restarted is not None:
@@ -380,10 +421,27 @@ def test_a_missing_seed_stops_the_worker_with_its_reason(tmp_path, tiny_model):
     file: tests/unit/test_launch_router.py, the same check)."""
     base = _free_pair()
     r = subprocess.run(
-        [sys.executable, "-m", "sglang_kvshare.launch_router", "--workers", "1", "--port", str(base + 1),
-         "--worker-base-port", str(base), "--log-dir", str(tmp_path), "--model-path", tiny_model,
-         "--kvshare-anchor-pool-seed", str(tmp_path / "missing.pt")],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "sglang_kvshare.launch_router",
+            "--workers",
+            "1",
+            "--port",
+            str(base + 1),
+            "--worker-base-port",
+            str(base),
+            "--log-dir",
+            str(tmp_path),
+            "--model-path",
+            tiny_model,
+            "--kvshare-anchor-pool-seed",
+            str(tmp_path / "missing.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode != 0
     assert "worker-0 exited" in r.stderr, r.stderr
     assert f"--kvshare-anchor-pool-seed: {tmp_path / 'missing.pt'} does not exist" in r.stderr, r.stderr

@@ -13,8 +13,22 @@ REPO = Path(__file__).resolve().parents[2]
 def test_serving_quick(tiny_server, tmp_path):
     out = tmp_path / "serving.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serving", "--url", tiny_server.url, "--quick", "--capacity", "2", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.serving",
+            "--url",
+            tiny_server.url,
+            "--quick",
+            "--capacity",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())

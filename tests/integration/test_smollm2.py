@@ -45,19 +45,36 @@ def test_the_answer_is_coherent_and_reuse_skips_the_question(servers):
     assert meta["computed_tokens"] < meta["prompt_tokens"] // 4
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "count_crates", "description": "Count the crates of one fruit",
-    "parameters": {"type": "object", "properties": {"fruit": {"type": "string", "enum": ["apples", "pears", "figs"]}},
-                   "required": ["fruit"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "count_crates",
+            "description": "Count the crates of one fruit",
+            "parameters": {
+                "type": "object",
+                "properties": {"fruit": {"type": "string", "enum": ["apples", "pears", "figs"]}},
+                "required": ["fruit"],
+            },
+        },
+    }
+]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-CONTEXT = ("The warehouse in Lyon holds 12 crates of apples and 7 crates of pears; the one in Porto "
-           "holds 3 crates of figs. ") * 3
+CONTEXT = (
+    "The warehouse in Lyon holds 12 crates of apples and 7 crates of pears; the one in Porto holds 3 crates of figs. "
+) * 3
 # what each chat feature adds to a request, and what its answer must show
 FEATURES = {
-    "tools": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "count_crates"}},
-              "parallel_tool_calls": False, "max_tokens": 60},
-    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
-                    "max_tokens": 40},
+    "tools": {
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "count_crates"}},
+        "parallel_tool_calls": False,
+        "max_tokens": 60,
+    },
+    "json_schema": {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+        "max_tokens": 40,
+    },
     "logprobs": {"logprobs": True, "top_logprobs": 2, "max_tokens": 6},
     "n_seed": {"n": 2, "seed": 7, "temperature": 0.9, "max_tokens": 6},
 }
@@ -90,12 +107,20 @@ def test_a_shared_chat_keeps_sglangs_chat_features(servers, feature, how):
         headers = {"X-KVShare-Workflow": workflow, "X-KVShare-Method": "fullshared"} if share and how == "auto" else {}
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, default_headers=headers)
         kwargs = {"temperature": 0, **FEATURES[feature]}
-        extra = {"kvshare": {"workflow": workflow, "agent": agent, "method": "fullshared",
-                             "shared_messages": {"1": "q"}}} if share and how == "annotated" else {}
+        extra = (
+            {"kvshare": {"workflow": workflow, "agent": agent, "method": "fullshared", "shared_messages": {"1": "q"}}}
+            if share and how == "annotated"
+            else {}
+        )
         return client.chat.completions.create(
-            model="default", extra_body=extra, **kwargs,
-            messages=[{"role": "system", "content": f"You are the {agent} of a logistics team."},
-                      {"role": "user", "content": CONTEXT + "Which city has the figs?"}])
+            model="default",
+            extra_body=extra,
+            **kwargs,
+            messages=[
+                {"role": "system", "content": f"You are the {agent} of a logistics team."},
+                {"role": "user", "content": CONTEXT + "Which city has the figs?"},
+            ],
+        )
 
     plain = ask(stock, "solver")
     first = ask(ours, "solver", share=True)

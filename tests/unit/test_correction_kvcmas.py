@@ -193,8 +193,13 @@ def test_variable_lengths_correct_covered_prefix_only():
     c = create_corrector("kvcmas")
     src = _kv(12, 0)
     delta = _kv(12, 1)
-    c.observe("q", "a0", "a1", SegmentKV(src.k[:, :10], src.v[:, :10]),
-              SegmentKV(src.k[:, :10] + delta.k[:, :10], src.v[:, :10] + delta.v[:, :10]))
+    c.observe(
+        "q",
+        "a0",
+        "a1",
+        SegmentKV(src.k[:, :10], src.v[:, :10]),
+        SegmentKV(src.k[:, :10] + delta.k[:, :10], src.v[:, :10] + delta.v[:, :10]),
+    )
     far = _add(SegmentKV(src.k[:, :8], src.v[:, :8]), 50.0)
     c.observe("q", "a0", "a1", far, _add(far, 1.0))
     c.observe("q", "a0", "a1", _kv(5, 3), _kv(5, 4))  # too short for the comparison prefix

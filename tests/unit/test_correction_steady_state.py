@@ -36,8 +36,12 @@ def test_gram_factorisation_matches_the_svd_on_tall_matrices():
 
 def _members():
     """Low-rank members of two ranks (padding) and a dense one, all [N_LAYERS, 20, D]."""
-    return [truncated_svd(_randn(N_LAYERS, 20, D, seed=3), 4), truncated_svd(_randn(N_LAYERS, 20, D, seed=4), 2),
-            Dense(_randn(N_LAYERS, 20, D, seed=5)), truncated_svd(_randn(N_LAYERS, 25, D, seed=6), 3)]
+    return [
+        truncated_svd(_randn(N_LAYERS, 20, D, seed=3), 4),
+        truncated_svd(_randn(N_LAYERS, 20, D, seed=4), 2),
+        Dense(_randn(N_LAYERS, 20, D, seed=5)),
+        truncated_svd(_randn(N_LAYERS, 25, D, seed=6), 3),
+    ]
 
 
 def test_factor_batch_equals_member_by_member_math():
@@ -56,7 +60,11 @@ def test_bfloat16_products_stay_within_bfloat16_rounding_of_the_float32_math():
     exact, fast = FactorBatch(members, k), FactorBatch(members, k, torch.bfloat16)
     x = _randn(2, k, D, seed=7)
     w = torch.softmax(_randn(len(members), 2, k, seed=8), 0)
-    for what in (lambda fb: fb.sq_distances(x, layers), lambda fb: fb.mix(w, layers), lambda fb: fb.reconstruct(layers)):
+    for what in (
+        lambda fb: fb.sq_distances(x, layers),
+        lambda fb: fb.mix(w, layers),
+        lambda fb: fb.reconstruct(layers),
+    ):
         a, b = what(exact), what(fast)
         assert b.dtype == torch.float32
         err = float((a - b).norm() / a.norm())
@@ -193,13 +201,23 @@ def test_pool_file_round_trip_and_refusals(tmp_path):
     path = str(tmp_path / "pool.pt")
     store.save(path, {"model": "m", "rank": 2}, {"kvcmas": c, "graphflow": g})
     made = {}
-    n = store.load(path, {"model": "m", "rank": 2}, made, create=lambda name: made.setdefault(
-        name, create_corrector(name, rank_base=2, rank_delta=2, factor_dtype=torch.float16)
-        if name == "kvcmas" else create_corrector(name)))
+    n = store.load(
+        path,
+        {"model": "m", "rank": 2},
+        made,
+        create=lambda name: made.setdefault(
+            name,
+            create_corrector(name, rank_base=2, rank_delta=2, factor_dtype=torch.float16)
+            if name == "kvcmas"
+            else create_corrector(name),
+        ),
+    )
     assert n == 4 and made["kvcmas"].nbytes() == c.nbytes() and made["graphflow"].nbytes() == g.nbytes()
     assert [a.use_count for a in made["kvcmas"].pool("q").anchors] == [4, 0, 0]
     probe = _kv(30, 99)
-    assert torch.equal(c.correct("q", "a", "b", probe, tau=1.0).kv.v, made["kvcmas"].correct("q", "a", "b", probe, tau=1.0).kv.v)
+    assert torch.equal(
+        c.correct("q", "a", "b", probe, tau=1.0).kv.v, made["kvcmas"].correct("q", "a", "b", probe, tau=1.0).kv.v
+    )
     with pytest.raises(store.AnchorPoolFileError, match="rank: file 2, server 3"):
         store.load(path, {"model": "m", "rank": 3}, {})
     bad = tmp_path / "bad.pt"

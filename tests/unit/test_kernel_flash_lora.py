@@ -36,7 +36,10 @@ def test_kernels_in_fresh_process():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
 
@@ -72,16 +75,24 @@ def test_triton_equals_ordinary_lora_attention():
     g = torch.Generator().manual_seed(3)
     T, hidden = 10, 32
     x = torch.randn(T, hidden, generator=g)
-    W_v = torch.randn(hidden, HKV * D, generator=g) / hidden ** 0.5
-    ad = LoRAProjection(torch.randn(R, hidden, generator=g) / hidden ** 0.5,
-                        torch.randn(R, HKV * D, generator=g) * 0.5, 2.0)
+    W_v = torch.randn(hidden, HKV * D, generator=g) / hidden**0.5
+    ad = LoRAProjection(
+        torch.randn(R, hidden, generator=g) / hidden**0.5, torch.randn(R, HKV * D, generator=g) * 0.5, 2.0
+    )
     k = torch.randn(T, HKV, D, generator=g)
     q = torch.randn(4, HQ, D, generator=g)
     lr_buf = lr_values(x, ad.A, ad.scaling)[:, None, :].contiguous()  # [T, 1 agent, R]
     out = fla.flash_lora_attention_triton(
-        q, k, (x @ W_v).view(T, HKV, D), torch.arange(T, dtype=torch.int32),
-        torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, T], dtype=torch.int32),
-        lr_buf, ad.B[None].contiguous(), torch.tensor([0], dtype=torch.int32))
+        q,
+        k,
+        (x @ W_v).view(T, HKV, D),
+        torch.arange(T, dtype=torch.int32),
+        torch.tensor([0, 4], dtype=torch.int32),
+        torch.tensor([0, T], dtype=torch.int32),
+        lr_buf,
+        ad.B[None].contiguous(),
+        torch.tensor([0], dtype=torch.int32),
+    )
     ref = lora_attention_naive(q, k, (x @ W_v + ad.delta(x)).view(T, HKV, D), None, None)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
 
@@ -93,8 +104,7 @@ def test_triton_key_lr_matches_reference():
     out = fla.flash_lora_attention_triton(*args, agent=agent, **kw)
     ref = fla.flash_lora_attention_reference(*args, agent=agent, **kw)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
-    no_key = fla.flash_lora_attention_triton(*args, agent=agent, lr_buf=kw["lr_buf"],
-                                             B_v=kw["B_v"])
+    no_key = fla.flash_lora_attention_triton(*args, agent=agent, lr_buf=kw["lr_buf"], B_v=kw["B_v"])
     assert (no_key - out).abs().max() > 1e-3
 
     # the reference's key path is ordinary RoPE'd LoRA keys: K = RoPE(K_pre + LR_k B_k)
@@ -108,10 +118,16 @@ def test_triton_key_lr_matches_reference():
     k_lora = shift_keys(k_pre + (lr_k[slots, j] @ B_k[j]).view(6, HKV, D), pos, rope)
     v_lora = v_buf[slots] + (kw["lr_buf"][slots, j] @ kw["B_v"][j]).view(6, HKV, D)
     one = fla.flash_lora_attention_triton(
-        q[3:4], k_buf, v_buf, kv_idx[7:13], torch.tensor([0, 1], dtype=torch.int32),
-        torch.tensor([0, 6], dtype=torch.int32), agent=torch.tensor([j], dtype=torch.int32), **kw)
-    torch.testing.assert_close(one, lora_attention_naive(q[3:4], k_lora, v_lora, None, None),
-                               atol=ATOL, rtol=1e-5)
+        q[3:4],
+        k_buf,
+        v_buf,
+        kv_idx[7:13],
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0, 6], dtype=torch.int32),
+        agent=torch.tensor([j], dtype=torch.int32),
+        **kw,
+    )
+    torch.testing.assert_close(one, lora_attention_naive(q[3:4], k_lora, v_lora, None, None), atol=ATOL, rtol=1e-5)
 
 
 @kernel_test
@@ -142,13 +158,15 @@ def test_triton_leaves_equal_attention_over_corrected_copies(shift):
     out = fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, key_leaf=leaves, **kw)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
     for path in (fla.flash_lora_attention_reference, fla.flash_lora_attention_sdpa):
-        torch.testing.assert_close(path(*views, agent=agent, key_shift=key_shift, key_leaf=leaves, **kw), ref,
-                                   atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(
+            path(*views, agent=agent, key_shift=key_shift, key_leaf=leaves, **kw), ref, atol=ATOL, rtol=1e-5
+        )
     # negative controls: without the leaves, or with the second leaf's B swapped in for the first
     assert (fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, **kw) - ref).abs().max() > 1e-3
     swapped = leaves._replace(B_v=leaves.B_v.flip(0))
-    assert (fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, key_leaf=swapped, **kw)
-            - ref).abs().max() > 1e-3
+    assert (
+        fla.flash_lora_attention_triton(*views, agent=agent, key_shift=key_shift, key_leaf=swapped, **kw) - ref
+    ).abs().max() > 1e-3
 
 
 @kernel_test
@@ -177,12 +195,22 @@ def test_kernel_reads_the_cpu_paths_leaves_as_it_does():
     assert rows.B_k.shape == (2, 5, hkv * D_)  # two distinct leaves, rank padded to the largest
     slots = torch.arange(700, dtype=torch.int32)
     out = fla.flash_lora_attention_triton(
-        q, k_cached, v, torch.cat([slots, slots]), torch.tensor([0, 60, 61], dtype=torch.int32),
-        torch.tensor([0, 700, 1400], dtype=torch.int32), scale=D_ ** -0.5,
-        key_shift=fla.KeyShift(torch.cat([shifts, shifts]), ROPE), key_leaf=rows, block_m=64, block_n=64)
+        q,
+        k_cached,
+        v,
+        torch.cat([slots, slots]),
+        torch.tensor([0, 60, 61], dtype=torch.int32),
+        torch.tensor([0, 700, 1400], dtype=torch.int32),
+        scale=D_**-0.5,
+        key_shift=fla.KeyShift(torch.cat([shifts, shifts]), ROPE),
+        key_leaf=rows,
+        block_m=64,
+        block_n=64,
+    )
     for (q0, q1), p in zip(((0, 60), (60, 61)), q_pos):
-        ref = offset_extend_attention(q[q0:q1], k_cached, v, slots.long(), shifts, p, D_ ** -0.5, ROPE,
-                                      leaf=leaf, layer=layer)
+        ref = offset_extend_attention(
+            q[q0:q1], k_cached, v, slots.long(), shifts, p, D_**-0.5, ROPE, leaf=leaf, layer=layer
+        )
         torch.testing.assert_close(out[q0:q1], ref, atol=ATOL, rtol=1e-5)
     assert leaf_rows([None, None], [700, 700], layer) is None
 
@@ -191,8 +219,7 @@ def test_kernel_reads_the_cpu_paths_leaves_as_it_does():
 def test_dispatcher_uses_reference_on_cpu():
     args, kw = _batch([2], [4], seed=2)
     out = fla.flash_lora_attention_paged(*args, agent=torch.tensor([1]), **kw)
-    torch.testing.assert_close(out, fla.flash_lora_attention_reference(
-        *args, agent=torch.tensor([1]), **kw))
+    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=torch.tensor([1]), **kw))
 
 
 @kernel_test
@@ -209,15 +236,15 @@ def test_sdpa_serving_path_matches_reference(q_lens, kv_lens, agents):
     args, kw = _batch(q_lens, kv_lens, seed=3)
     agent = torch.tensor(agents, dtype=torch.int32)
     out = fla.flash_lora_attention_sdpa(*args, agent=agent, **kw)
-    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=agent, **kw),
-                               atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=agent, **kw), atol=ATOL, rtol=1e-5)
     q, k_buf, v_buf, kv_indices, qo, kvp = args
     for b, j in enumerate(agents):
-        slots = kv_indices[kvp[b]:kvp[b + 1]].long()
+        slots = kv_indices[kvp[b] : kvp[b + 1]].long()
         lr = kw["lr_buf"][slots, j] if j >= 0 else None
-        naive = lora_attention_naive(q[qo[b]:qo[b + 1]], k_buf[slots], v_buf[slots], lr,
-                                     kw["B_v"][j] if j >= 0 else None)
-        torch.testing.assert_close(out[qo[b]:qo[b + 1]], naive, atol=ATOL, rtol=1e-5)
+        naive = lora_attention_naive(
+            q[qo[b] : qo[b + 1]], k_buf[slots], v_buf[slots], lr, kw["B_v"][j] if j >= 0 else None
+        )
+        torch.testing.assert_close(out[qo[b] : qo[b + 1]], naive, atol=ATOL, rtol=1e-5)
     # negative control: dropping the LR term changes the adapted requests
     base = fla.flash_lora_attention_sdpa(*args)
     assert not torch.allclose(base[: q_lens[0]], out[: q_lens[0]], atol=1e-3)
@@ -234,22 +261,20 @@ def test_sdpa_serving_path_with_key_lr_matches_reference(q_lens, kv_lens, agents
     k_pre = torch.randn(SLOTS, HKV, D, generator=torch.Generator().manual_seed(6))
     k_buf = k_buf.clone()
     for b in range(len(q_lens)):  # base keys rotated at their index in the request
-        slots = kv_indices[kvp[b]:kvp[b + 1]].long()
+        slots = kv_indices[kvp[b] : kvp[b + 1]].long()
         k_buf[slots] = shift_keys(k_pre[slots], torch.arange(len(slots)), rope)
     args = (q, k_buf, v_buf, kv_indices, qo, kvp)
     out = fla.flash_lora_attention_sdpa(*args, agent=agent, **kw)
-    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=agent, **kw),
-                               atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(out, fla.flash_lora_attention_reference(*args, agent=agent, **kw), atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(fla.flash_lora_attention_paged(*args, agent=agent, **kw), out)
     for b, j in enumerate(agents):
-        slots = kv_indices[kvp[b]:kvp[b + 1]].long()
+        slots = kv_indices[kvp[b] : kvp[b + 1]].long()
         pos = torch.arange(len(slots))
-        k = k_buf[slots] if j < 0 else shift_keys(
-            k_pre[slots] + (lr_k[slots, j] @ B_k[j]).view(-1, HKV, D), pos, rope)
+        k = k_buf[slots] if j < 0 else shift_keys(k_pre[slots] + (lr_k[slots, j] @ B_k[j]).view(-1, HKV, D), pos, rope)
         v = v_buf[slots] if j < 0 else v_buf[slots] + (kw["lr_buf"][slots, j] @ kw["B_v"][j]).view(-1, HKV, D)
-        torch.testing.assert_close(out[qo[b]:qo[b + 1]],
-                                   lora_attention_naive(q[qo[b]:qo[b + 1]], k, v, None, None),
-                                   atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(
+            out[qo[b] : qo[b + 1]], lora_attention_naive(q[qo[b] : qo[b + 1]], k, v, None, None), atol=ATOL, rtol=1e-5
+        )
     # negative control: without the key LR term the adapted requests' outputs change
     no_key = fla.flash_lora_attention_sdpa(*args, agent=agent, lr_buf=kw["lr_buf"], B_v=kw["B_v"])
     assert not torch.allclose(no_key[: q_lens[0]], out[: q_lens[0]], atol=1e-3)
@@ -265,8 +290,7 @@ def test_rotate_key_delta_equals_expand_key_lr(is_neox, rotary_dim):
     lr_k, B_k = torch.randn(300, R, generator=g), torch.randn(R, HKV * D, generator=g)
     for n in (5, 300):  # the cached table grows
         got = rotate_key_delta(lr_k[:n], B_k, HKV, rope)
-        torch.testing.assert_close(got, expand_key_lr(lr_k[:n], B_k, HKV, torch.arange(n), rope),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got, expand_key_lr(lr_k[:n], B_k, HKV, torch.arange(n), rope), atol=1e-4, rtol=1e-5)
     assert not torch.allclose(got, (lr_k @ B_k).view(300, HKV, D), atol=1e-2)
 
 

@@ -29,7 +29,11 @@ def test_in_fresh_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -49,8 +53,7 @@ def _inputs(dtype, rotary_dim, is_neox, seed=0):
 
 @in_process
 @pytest.mark.parametrize(
-    "rotary_dim,is_neox,with_delta",
-    [(16, True, True), (8, True, True), (16, False, True), (16, True, False)],
+    "rotary_dim,is_neox,with_delta", [(16, True, True), (8, True, True), (16, False, True), (16, True, False)]
 )
 def test_triton_matches_reference_fp32(rotary_dim, is_neox, with_delta):
     k, v, src, dst, pos, spec, kd, vd = _inputs(torch.float32, rotary_dim, is_neox)

@@ -121,9 +121,7 @@ def test_fallback_flags():
 
 @pytest.mark.parametrize(
     "flag,default,other,bad_cli,bad_value,message",
-    [
-        ("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'"),
-    ],
+    [("leaf_policy", "pressure", "always", "never", "sometimes", "'pressure' or 'always'")],
 )
 def test_choice_flags(flag, default, other, bad_cli, bad_value, message):
     import argparse
@@ -160,8 +158,11 @@ def test_switches_are_spelled_one_way(flag):
     assert parse(option) is True and parse(option.replace("--", "--no-", 1)) is False
     with pytest.raises(SystemExit):
         parser.parse_args([option, "off"])
-    bools = [f.name for f in dataclasses.fields(KVShareArgs) if f.metadata.get("choices") is not None
-             and set(f.metadata["choices"]()) == {"on", "off"}]
+    bools = [
+        f.name
+        for f in dataclasses.fields(KVShareArgs)
+        if f.metadata.get("choices") is not None and set(f.metadata["choices"]()) == {"on", "off"}
+    ]
     assert bools == [], f"on/off choice flags left: {bools}"
 
 

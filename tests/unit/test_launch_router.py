@@ -27,8 +27,19 @@ def test_router_gets_affinity_defaults_unless_overridden():
 
 
 def test_other_flags_go_to_each_worker_with_its_own_port_and_pool(tmp_path):
-    ns, rest = parse_args(["--workers", "2", "--port", "31000", "--model-path", "m",
-                           "--kvshare-anchor-pool", str(tmp_path / "pool.pt"), "--router-arg=--log-level=info"])
+    ns, rest = parse_args(
+        [
+            "--workers",
+            "2",
+            "--port",
+            "31000",
+            "--model-path",
+            "m",
+            "--kvshare-anchor-pool",
+            str(tmp_path / "pool.pt"),
+            "--router-arg=--log-level=info",
+        ]
+    )
     assert ns.workers == 2 and ns.port == 31000 and ns.router_arg == ["--log-level=info"]
     argv = worker_argv(rest, "127.0.0.1", 31002, 1, 2)
     assert argv[1:3] == ["-m", "sglang_kvshare.launch_server"]
@@ -55,8 +66,14 @@ def model_dirs(tmp_path):
 
     dirs = []
     for name, layers in (("model-a", 2), ("model-b", 3)):
-        LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=128).save_pretrained(tmp_path / name)
+        LlamaConfig(
+            num_hidden_layers=layers,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        ).save_pretrained(tmp_path / name)
         dirs.append(str(tmp_path / name))
     return dirs
 
@@ -77,7 +94,9 @@ def test_a_seed_must_exist_and_fit_the_server(tmp_path, model_dirs):
     assert seed.read_bytes() == b"not a pool"  # left as it was
     store.save(str(seed), header(args, model_identity(a)), {})
     assert check_file(args, a) == model_identity(a)
-    with pytest.raises(store.AnchorPoolFileError, match=r"^--kvshare-anchor-pool-seed: .*another model .*num_hidden_layers"):
+    with pytest.raises(
+        store.AnchorPoolFileError, match=r"^--kvshare-anchor-pool-seed: .*another model .*num_hidden_layers"
+    ):
         check_file(args, b)  # the same file on a server of another model
     with pytest.raises(store.AnchorPoolFileError, match=r"rank: file 32, server 8"):
         check_file(KVShareArgs(anchor_pool_seed=str(seed), rank=8), a)

@@ -90,8 +90,12 @@ def _under(module: str, prefix: str) -> bool:
 
 
 def _edges_between(src_prefixes, dst_prefixes) -> list[tuple[str, str]]:
-    return sorted((m, i) for m, deps in ALL_IMPORTS.items() for i in deps
-                  if any(_under(m, s) for s in src_prefixes) and any(_under(i, d) for d in dst_prefixes))
+    return sorted(
+        (m, i)
+        for m, deps in ALL_IMPORTS.items()
+        for i in deps
+        if any(_under(m, s) for s in src_prefixes) and any(_under(i, d) for d in dst_prefixes)
+    )
 
 
 def test_the_walk_sees_the_package():
@@ -110,7 +114,7 @@ def test_the_import_graph_has_no_cycle():
         path.append(m)
         for dep in sorted(GRAPH[m]):
             if state.get(dep) == 1:
-                cycle = path[path.index(dep):] + [dep]
+                cycle = path[path.index(dep) :] + [dep]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep)
@@ -135,14 +139,21 @@ def test_the_http_process_imports_nothing_of_the_scheduler_process():
 
 
 def test_only_the_integration_layer_imports_sglang_internals():
-    outside = [(m, i) for m, deps in ALL_IMPORTS.items() for i in deps
-               if _under(i, "sglang.srt") and not _under(m, INTEGRATION)]
+    outside = [
+        (m, i)
+        for m, deps in ALL_IMPORTS.items()
+        for i in deps
+        if _under(i, "sglang.srt") and not _under(m, INTEGRATION)
+    ]
     assert outside == []
 
 
 def test_no_module_is_over_300_lines():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / PACKAGE).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 300}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / PACKAGE).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 300
+    }
     assert long == {}
 
 
@@ -175,6 +186,9 @@ def test_only_tests_benchmarks_and_examples_import_the_harness():
 
 
 def test_no_test_file_is_over_600_lines():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "tests").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "tests").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
     assert long == {}

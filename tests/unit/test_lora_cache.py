@@ -31,7 +31,7 @@ def _gen(seed=0):
 def _adapter(d_out, rank=8, seed=1, alpha=16):
     g = _gen(seed)
     return LoRAProjection(
-        A=torch.randn(rank, HIDDEN, generator=g) / HIDDEN ** 0.5,
+        A=torch.randn(rank, HIDDEN, generator=g) / HIDDEN**0.5,
         B=torch.randn(rank, d_out, generator=g) * 0.5,
         scaling=alpha / rank,
     )
@@ -41,14 +41,12 @@ def _layer(T, seed=0):
     """Hidden states x [T, HIDDEN], base projections W_v, W_k [HIDDEN, KV_DIM], queries."""
     g = _gen(seed)
     x = torch.randn(T, HIDDEN, generator=g)
-    W_v = torch.randn(HIDDEN, KV_DIM, generator=g) / HIDDEN ** 0.5
-    W_k = torch.randn(HIDDEN, KV_DIM, generator=g) / HIDDEN ** 0.5
+    W_v = torch.randn(HIDDEN, KV_DIM, generator=g) / HIDDEN**0.5
+    W_k = torch.randn(HIDDEN, KV_DIM, generator=g) / HIDDEN**0.5
     return x, W_v, W_k
 
 
-@pytest.mark.parametrize(
-    "q_len,kv_len", [(7, 7), (5, 12), (1, 12)], ids=["prefill", "extend", "decode"]
-)
+@pytest.mark.parametrize("q_len,kv_len", [(7, 7), (5, 12), (1, 12)], ids=["prefill", "extend", "decode"])
 def test_lr_split_equals_lora_attention_single_agent(q_len, kv_len):
     x, W_v, W_k = _layer(kv_len)
     ad = _adapter(KV_DIM)
@@ -63,8 +61,7 @@ def test_lr_split_equals_lora_attention_single_agent(q_len, kv_len):
     ref = lora_attention_naive(q, k, v_lora, None, None)
     assert out.shape == (q_len, HQ, D)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
-    torch.testing.assert_close(lora_attention_naive(q, k, v_base, lr, ad.B), ref, atol=ATOL,
-                               rtol=1e-5)
+    torch.testing.assert_close(lora_attention_naive(q, k, v_base, lr, ad.B), ref, atol=ATOL, rtol=1e-5)
 
     # negative control: without the LR term the output is the base model's, clearly different
     base_only = flash_lora_attention(q, k, v_base, None, None)
@@ -80,7 +77,7 @@ def test_gqa_heads_read_their_kv_head():
     k, v = (x @ W_k).view(10, HKV, D), (x @ W_v).view(10, HKV, D)
     lr = lr_values(x, ad.A, ad.scaling)
     B2 = ad.B.clone()
-    B2[:, D: 2 * D] += 1.0
+    B2[:, D : 2 * D] += 1.0
     a, b = flash_lora_attention(q, k, v, lr, ad.B), flash_lora_attention(q, k, v, lr, B2)
     assert torch.equal(a[:, :3], b[:, :3]) and torch.equal(a[:, 6:], b[:, 6:])
     assert (a[:, 3:6] - b[:, 3:6]).abs().max() > 1e-2
@@ -96,7 +93,10 @@ def test_non_causal_and_span():
     lr = lr_values(x, ad.A, ad.scaling)
     torch.testing.assert_close(
         flash_lora_attention(q, k, v, lr, ad.B, causal=False),
-        lora_attention_naive(q, k, v, lr, ad.B, causal=False), atol=ATOL, rtol=1e-5)
+        lora_attention_naive(q, k, v, lr, ad.B, causal=False),
+        atol=ATOL,
+        rtol=1e-5,
+    )
 
 
 def test_several_agents_share_base_and_pool():
@@ -104,11 +104,11 @@ def test_several_agents_share_base_and_pool():
     LR column from the pool equals ordinary LoRA attention with that agent's adapter."""
     T, num_slots = 11, 32
     x, W_v, W_k = _layer(T)
-    adapters = [_adapter(KV_DIM, 8, seed=10), _adapter(KV_DIM, 8, seed=11),
-                _adapter(KV_DIM, 4, seed=12)]
+    adapters = [_adapter(KV_DIM, 8, seed=10), _adapter(KV_DIM, 8, seed=11), _adapter(KV_DIM, 4, seed=12)]
     A_all, B_all, scaling = stack_adapters(adapters)
-    pool = LRCachePool(LRCacheConfig(num_layers=2, num_slots=num_slots, max_agents=4,
-                                     max_rank=8, num_kv_heads=HKV, head_dim=D))
+    pool = LRCachePool(
+        LRCacheConfig(num_layers=2, num_slots=num_slots, max_agents=4, max_rank=8, num_kv_heads=HKV, head_dim=D)
+    )
     names = ["solver", "critic", "final"]
     cols = [pool.register_agent(n, a.rank) for n, a in zip(names, adapters)]
     assert cols == [0, 1, 2] and pool.register_agent("critic", 8) == 1
@@ -144,8 +144,7 @@ def test_lr_values_all_agents_matches_per_agent():
 
 
 def test_pool_contract_and_byte_accounting():
-    cfg = LRCacheConfig(num_layers=30, num_slots=100, max_agents=3, max_rank=8,
-                        num_kv_heads=HKV, head_dim=D)
+    cfg = LRCacheConfig(num_layers=30, num_slots=100, max_agents=3, max_rank=8, num_kv_heads=HKV, head_dim=D)
     pool = LRCachePool(cfg)
     for n in ("a", "b", "c"):
         pool.register_agent(n, 8)
@@ -189,8 +188,16 @@ def test_qkvo_key_lr_equals_materialised_lora_keys():
     q = torch.randn(4, HQ, D, generator=_gen(9))
 
     out = flash_lora_attention_qkvo(
-        q, k_base, v_base, lr_values(x, ad_v.A, ad_v.scaling), ad_v.B,
-        lr_values(x, ad_k.A, ad_k.scaling), ad_k.B, rope, key_positions=pos)
+        q,
+        k_base,
+        v_base,
+        lr_values(x, ad_v.A, ad_v.scaling),
+        ad_v.B,
+        lr_values(x, ad_k.A, ad_k.scaling),
+        ad_k.B,
+        rope,
+        key_positions=pos,
+    )
     ref = lora_attention_naive(q, k_lora, v_lora, None, None)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-5)
     no_key_lr = flash_lora_attention(q, k_base, v_base, lr_values(x, ad_v.A, ad_v.scaling), ad_v.B)

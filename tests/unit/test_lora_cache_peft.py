@@ -39,8 +39,11 @@ def test_lr_split_equals_peft_attention_real_model():
     model = peft.PeftModel.from_pretrained(base, str(QV)).eval()
     attn = model.get_base_model().model.layers[0].self_attn
     seen = {}
-    h1 = model.get_base_model().model.layers[0].input_layernorm.register_forward_hook(
-        lambda m, i, o: seen.__setitem__("x", o[0]))
+    h1 = (
+        model.get_base_model()
+        .model.layers[0]
+        .input_layernorm.register_forward_hook(lambda m, i, o: seen.__setitem__("x", o[0]))
+    )
     h2 = attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("o", a[0][0]))
     ids = tok("Question: Tom has 3 apples and buys 4 more. How many?", return_tensors="pt")
     with torch.no_grad():

@@ -3,12 +3,7 @@
 import json
 from pathlib import Path
 
-from sglang_kvshare.lora_cache.targets import (
-    adapts_keys,
-    check_lora_paths,
-    lora_path_entries,
-    lr_cache_refusal,
-)
+from sglang_kvshare.lora_cache.targets import adapts_keys, check_lora_paths, lora_path_entries, lr_cache_refusal
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
 
@@ -18,8 +13,12 @@ def cfg(targets, **extra):
 
 
 def test_qv_qkvo_and_mlp_adapters_are_served():
-    for targets in (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"],
-                    ["model.layers.0.self_attn.k_proj"], ["q_proj", "gate_proj", "up_proj", "down_proj"]):
+    for targets in (
+        ["q_proj", "v_proj"],
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        ["model.layers.0.self_attn.k_proj"],
+        ["q_proj", "gate_proj", "up_proj", "down_proj"],
+    ):
         assert lr_cache_refusal("a", cfg(targets)) is None, targets
     assert adapts_keys(cfg(["q_proj", "model.layers.3.self_attn.k_proj"]))
     assert not adapts_keys(cfg(["q_proj", "v_proj"])) and not adapts_keys(cfg("all-linear"))
@@ -40,7 +39,10 @@ def test_unservable_adapters_are_refused_by_name_and_reason():
 
 def test_lora_paths_entries_and_shipped_adapters(tmp_path):
     assert list(lora_path_entries(["a=/x", "/y", {"lora_name": "c", "lora_path": "/z"}])) == [
-        ("a", "/x"), ("/y", "/y"), ("c", "/z")]
+        ("a", "/x"),
+        ("/y", "/y"),
+        ("c", "/z"),
+    ]
     shipped = [f"{d.name}={d}" for d in sorted(ADAPTERS.iterdir()) if d.is_dir()]
     assert any("qkvo" in s for s in shipped)
     assert check_lora_paths(shipped) == []  # QV and QKVO role adapters

@@ -93,14 +93,18 @@ def test_factorize_keeps_short_matrices_dense_when_factors_would_be_larger():
 def test_randomized_svd_is_near_optimal_repeatable_and_leaves_the_global_generator_alone():
     g = torch.Generator().manual_seed(7)
     Z = (torch.randn(3, 400, 48, generator=g) * torch.logspace(0, -2, 48)) @ torch.linalg.qr(
-        torch.randn(3, 48, 48, generator=g)).Q
+        torch.randn(3, 48, 48, generator=g)
+    ).Q
     exact = truncated_svd(Z, 6)
     state = torch.random.get_rng_state()
     fast = randomized_svd(Z, 6)
     assert torch.equal(torch.random.get_rng_state(), state)
     assert torch.equal(randomized_svd(Z, 6).A, fast.A)
+
     def err(f):
         return float((f.reconstruct() - Z).norm() / Z.norm())
 
     assert fast.rank == 6 and err(fast) < 1.02 * err(exact)
-    torch.testing.assert_close(randomized_svd(Z, 44).reconstruct(), truncated_svd(Z, 44).reconstruct())  # exact near full rank
+    torch.testing.assert_close(
+        randomized_svd(Z, 44).reconstruct(), truncated_svd(Z, 44).reconstruct()
+    )  # exact near full rank

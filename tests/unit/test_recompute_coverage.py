@@ -3,13 +3,7 @@ import math
 import pytest
 import torch
 
-from sglang_kvshare.recompute import (
-    DroidSpeakProfile,
-    coverage,
-    random_mask,
-    random_mask_like,
-    relative_coverage,
-)
+from sglang_kvshare.recompute import DroidSpeakProfile, coverage, random_mask, random_mask_like, relative_coverage
 from sglang_kvshare.recompute.cacheblend import plan as cacheblend_plan
 from sglang_kvshare.recompute.random import plan as random_plan
 

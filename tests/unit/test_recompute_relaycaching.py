@@ -48,7 +48,7 @@ def test_budget_is_exact_in_token_layers(ratio):
     dev, att = _scores()
     p = plan(dev, att, ratio, NUM_LAYERS)
     assert p.recomputed_token_layers == int(ratio * SEG_LEN * NUM_LAYERS + 0.5)
-    (start, end), = p.layer_groups
+    ((start, end),) = p.layer_groups
     assert not p.mask[:start].any() and not p.mask[end:].any()
     # each token's recomputed layers are contiguous from the range start
     for t in range(SEG_LEN):
@@ -60,7 +60,7 @@ def test_budget_is_exact_in_token_layers(ratio):
 def test_range_widens_when_budget_exceeds_it():
     dev, att = _scores()
     p = plan(dev, att, 0.5, NUM_LAYERS)  # 120 token-layers > 4 layers * 20 tokens
-    (start, end), = p.layer_groups
+    ((start, end),) = p.layer_groups
     assert end - start == 6 and start <= 4 and end >= 8
     assert widen((4, 8), 20, NUM_LAYERS) == (0, NUM_LAYERS)
     assert widen((0, 2), 4, NUM_LAYERS) == (0, 4)

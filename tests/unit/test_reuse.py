@@ -55,14 +55,17 @@ def test_forgotten_sources_start_over():
     assert reuse.touch("a") is None and reuse.touch("c") == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("free,rows,lru_age,horizon,fits", [
-    (500, 400, None, None, True),   # free slots: no eviction at all
-    (500, 400, 0.1, 30.0, True),
-    (100, 400, 40.0, 30.0, True),   # evicts what was last used before any source is read again
-    (100, 400, 20.0, 30.0, False),  # would evict an entry younger than a source's reuse: pressure
-    (100, 400, 20.0, None, True),   # nothing read again yet: nothing to protect
-    (100, 400, None, 30.0, False),  # nothing evictable and short of slots
-])
+@pytest.mark.parametrize(
+    "free,rows,lru_age,horizon,fits",
+    [
+        (500, 400, None, None, True),  # free slots: no eviction at all
+        (500, 400, 0.1, 30.0, True),
+        (100, 400, 40.0, 30.0, True),  # evicts what was last used before any source is read again
+        (100, 400, 20.0, 30.0, False),  # would evict an entry younger than a source's reuse: pressure
+        (100, 400, 20.0, None, True),  # nothing read again yet: nothing to protect
+        (100, 400, None, 30.0, False),  # nothing evictable and short of slots
+    ],
+)
 def test_copies_fit_when_eviction_takes_nothing_that_is_read_again(free, rows, lru_age, horizon, fits):
     assert copies_fit(free, rows, lru_age, horizon) is fits
 
@@ -79,7 +82,7 @@ class Node:
 
 def test_lru_victims_follow_eviction_order_into_parents():
     root = Node("root", 0, 0.0, locked=1)
-    a = Node("a", 100, 5.0, root)           # a -> a1 (1.0), a2 (3.0)
+    a = Node("a", 100, 5.0, root)  # a -> a1 (1.0), a2 (3.0)
     a1, a2 = Node("a1", 50, 1.0, a), Node("a2", 50, 3.0, a)
     b = Node("b", 200, 2.0, root, locked=1)  # a running request holds b; its child is a leaf
     b1 = Node("b1", 30, 4.0, b)

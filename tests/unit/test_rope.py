@@ -20,8 +20,13 @@ def _hf_keys(raw, positions, head_dim, theta, scaling):
     params = {"rope_type": "default", "rope_theta": theta}
     if scaling:
         params = dict(scaling, rope_theta=theta)
-    cfg = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, head_dim=head_dim,
-                      max_position_embeddings=65536, rope_parameters=params)
+    cfg = LlamaConfig(
+        hidden_size=head_dim * 2,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=65536,
+        rope_parameters=params,
+    )
     rot = LlamaRotaryEmbedding(cfg)
     # raw: [T, H, D] -> HF layout [1, H, T, D]; HF's inv_freq (with its llama3 scaling) and its
     # rotate_half, but angles in float64 (HF's own float32 angles drift at large positions)

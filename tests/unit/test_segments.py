@@ -6,8 +6,11 @@ from sglang_kvshare.segments.sources import REFERENCE_AGENT, SourceRecord, Sourc
 
 
 def _ann(**kw):
-    base = {"workflow": "wf", "agent": "critic", "segments": [
-        {"text": "sys", "shared": False}, {"text": "Q", "shared": True, "slot": "q"}]}
+    base = {
+        "workflow": "wf",
+        "agent": "critic",
+        "segments": [{"text": "sys", "shared": False}, {"text": "Q", "shared": True, "slot": "q"}],
+    }
     base.update(kw)
     return base
 
@@ -18,22 +21,28 @@ def test_parse_defaults_method_and_keeps_order():
     assert [s.slot for s in ann.segments] == [None, "q"]
 
 
-@pytest.mark.parametrize("raw,message", [
-    ([], "must be an object"),
-    (_ann(method="nope"), "unknown kvshare method"),
-    (_ann(workflow=""), "kvshare.workflow"),
-    (_ann(segments=[{"text": "x", "shared": True}]), "no slot"),
-    (_ann(segments=[{"text": "x", "shared": False, "slot": "q"}]), "not shared"),
-    (_ann(segments=[{"text": "a", "shared": True, "slot": "q"}, {"text": "b", "shared": True, "slot": "q"}]), "appears twice"),
-    (_ann(segments=[{"text": None}]), "must be a string"),
-    (_ann(extra=1), "unknown keys"),
-    (_ann(sources={"zz": "solver"}), "no shared segment"),
-    (_ann(recompute_ratio=1.5), "recompute_ratio"),
-    (_ann(kv_views="off"), "kv_views must be true or false"),
-    (_ann(leaves="always"), "leaves must be true or false"),
-    (_ann(recompute_head=-1), "recompute_head must be an integer >= 0"),
-    (_ann(recompute_head=True), "recompute_head must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ([], "must be an object"),
+        (_ann(method="nope"), "unknown kvshare method"),
+        (_ann(workflow=""), "kvshare.workflow"),
+        (_ann(segments=[{"text": "x", "shared": True}]), "no slot"),
+        (_ann(segments=[{"text": "x", "shared": False, "slot": "q"}]), "not shared"),
+        (
+            _ann(segments=[{"text": "a", "shared": True, "slot": "q"}, {"text": "b", "shared": True, "slot": "q"}]),
+            "appears twice",
+        ),
+        (_ann(segments=[{"text": None}]), "must be a string"),
+        (_ann(extra=1), "unknown keys"),
+        (_ann(sources={"zz": "solver"}), "no shared segment"),
+        (_ann(recompute_ratio=1.5), "recompute_ratio"),
+        (_ann(kv_views="off"), "kv_views must be true or false"),
+        (_ann(leaves="always"), "leaves must be true or false"),
+        (_ann(recompute_head=-1), "recompute_head must be an integer >= 0"),
+        (_ann(recompute_head=True), "recompute_head must be an integer >= 0"),
+    ],
+)
 def test_bad_annotations_name_the_problem(raw, message):
     with pytest.raises(AnnotationError, match=message):
         parse_annotation(raw, "nonshared")
@@ -117,8 +126,15 @@ def test_cli_flags_come_from_the_dataclass():
         parser.parse_args(["--kvshare-method", "bogus"])
 
 
-@pytest.mark.parametrize("flag,value", [("--kvshare-lp-stash-columns", "-1"), ("--kvshare-target-rho", "1.5"),
-                                        ("--kvshare-num-anchors", "0"), ("--kvshare-recompute-head", "-1")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--kvshare-lp-stash-columns", "-1"),
+        ("--kvshare-target-rho", "1.5"),
+        ("--kvshare-num-anchors", "0"),
+        ("--kvshare-recompute-head", "-1"),
+    ],
+)
 def test_bad_flag_values_get_an_error_naming_the_flag(flag, value):
     import argparse
 

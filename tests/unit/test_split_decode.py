@@ -18,8 +18,9 @@ def _gathered(q, k_cache, v_cache, slots, scale):
 
 LAYOUTS = {
     # prefix run, injected segment, short suffix, scattered decode slots
-    "fragmented": torch.cat([torch.arange(3000, 3040), torch.arange(100, 700), torch.arange(2000, 2020),
-                             torch.arange(3500, 3548, 3)]),
+    "fragmented": torch.cat(
+        [torch.arange(3000, 3040), torch.arange(100, 700), torch.arange(2000, 2020), torch.arange(3500, 3548, 3)]
+    ),
     "one-run": torch.arange(50, 900),
     "all-short": torch.randperm(ROWS, generator=torch.Generator().manual_seed(1))[:300],
     "two-long-runs-reversed": torch.cat([torch.arange(2000, 2300), torch.arange(10, 400)]),
@@ -34,11 +35,11 @@ def test_split_decode_equals_gathered_sdpa(layout, hq, hkv):
     q = torch.randn(hq, D, generator=g)
     slots = LAYOUTS[layout]
     parts = slot_runs(slots)
-    out = split_decode_attention(q, k_cache, v_cache, parts, D ** -0.5)
-    torch.testing.assert_close(out, _gathered(q, k_cache, v_cache, slots, D ** -0.5), atol=2e-6, rtol=1e-5)
+    out = split_decode_attention(q, k_cache, v_cache, parts, D**-0.5)
+    torch.testing.assert_close(out, _gathered(q, k_cache, v_cache, slots, D**-0.5), atol=2e-6, rtol=1e-5)
     # negative control: leaving out the gathered rest (or a run) changes the result
     if parts.runs and parts.rest is not None:
-        partial = split_decode_attention(q, k_cache, v_cache, parts._replace(rest=None), D ** -0.5)
+        partial = split_decode_attention(q, k_cache, v_cache, parts._replace(rest=None), D**-0.5)
         assert not torch.allclose(partial, out, atol=1e-4)
 
 

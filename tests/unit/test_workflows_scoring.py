@@ -36,10 +36,7 @@ def test_extract_choice_positive(text, letter):
     assert extract_choice(text, 4, _mc().choices) == letter
 
 
-@pytest.mark.parametrize(
-    "text",
-    ["", "I am not sure.", "A good question, but it depends.", "Answer: All of them", "E"],
-)
+@pytest.mark.parametrize("text", ["", "I am not sure.", "A good question, but it depends.", "Answer: All of them", "E"])
 def test_extract_choice_negative(text):
     assert extract_choice(text, 4, _mc().choices) is None
 
@@ -74,11 +71,7 @@ def test_score_gsm8k_numeric_comparison():
 
 
 HE_PROMPT = 'from typing import List\n\n\ndef add_all(xs: List[int]) -> int:\n    """Sum xs."""\n'
-HE_TEST = (
-    "def check(candidate):\n"
-    "    assert candidate([1, 2, 3]) == 6\n"
-    "    assert candidate([]) == 0\n"
-)
+HE_TEST = "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"
 
 
 def _he():
@@ -113,10 +106,7 @@ def test_humaneval_program_cannot_touch_scorer_process():
     import os
 
     marker = "KVSHARE_SCORER_MARKER"
-    code = (
-        f"```python\nimport os\nos.environ['{marker}'] = '1'\n"
-        "def add_all(xs):\n    return sum(xs)\n```"
-    )
+    code = f"```python\nimport os\nos.environ['{marker}'] = '1'\ndef add_all(xs):\n    return sum(xs)\n```"
     assert score_output(_he(), code).correct
     assert marker not in os.environ
 

@@ -17,9 +17,7 @@ from sglang_kvshare.workflows.topology import build_payload, build_schedule, bui
 from sglang_kvshare.workflows.transport import ServerError, http_sender
 from sglang_kvshare.workflows.task import Task
 
-MMLU_TASK = Task(
-    "mmlu/1", "mmlu", "Question: 2+2?\nA) 3\nB) 4\nC) 5\nD) 6", "B", ("3", "4", "5", "6")
-)
+MMLU_TASK = Task("mmlu/1", "mmlu", "Question: 2+2?\nA) 3\nB) 4\nC) 5\nD) 6", "B", ("3", "4", "5", "6"))
 A0, A1, A2, F = "knowledgeable_expert", "wiki_searcher", "critic", "final_refer"
 
 
@@ -80,15 +78,16 @@ def test_sequential_reads_all_earlier_outputs_in_order():
 
 def test_fan_in_task_agents_read_only_question():
     echo, _ = _run("fan_in")
-    assert [_slots(p) for p in echo.payloads] == [
-        ["q"], ["q"], ["q"], ["q", f"out:{A0}", f"out:{A1}", f"out:{A2}"]
-    ]
+    assert [_slots(p) for p in echo.payloads] == [["q"], ["q"], ["q"], ["q", f"out:{A0}", f"out:{A1}", f"out:{A2}"]]
 
 
 def test_fan_out_branches_read_only_the_root():
     echo, _ = _run("fan_out")
     assert [_slots(p) for p in echo.payloads] == [
-        ["q"], ["q", f"out:{A0}"], ["q", f"out:{A0}"], ["q", f"out:{A0}", f"out:{A1}", f"out:{A2}"]
+        ["q"],
+        ["q", f"out:{A0}"],
+        ["q", f"out:{A0}"],
+        ["q", f"out:{A0}", f"out:{A1}", f"out:{A2}"],
     ]
 
 
@@ -110,9 +109,7 @@ def test_loop_reads_latest_output_per_agent():
 
 def test_loop_with_one_round_equals_sequential():
     roles = ["a", "b", "c"]
-    assert build_schedule("loop", roles, "f", num_rounds=1) == build_schedule(
-        "sequential", roles, "f"
-    )
+    assert build_schedule("loop", roles, "f", num_rounds=1) == build_schedule("sequential", roles, "f")
 
 
 def test_segment_layout_alternates_pf_and_ph():
@@ -156,8 +153,7 @@ def test_payload_fields_and_lora_path():
 def test_final_output_scored_and_record_serialisable():
     echo, record = _run("sequential")
     assert record.final_output == "B" and record.score.correct
-    wrong = run_task(MMLU_TASK, get_roles("mmlu"), "fan_in", "kvcmas", EchoServer(final="D"), 8,
-                     score_fn=score_output)
+    wrong = run_task(MMLU_TASK, get_roles("mmlu"), "fan_in", "kvcmas", EchoServer(final="D"), 8, score_fn=score_output)
     assert not wrong.score.correct and wrong.score.predicted == "D"
     blob = json.loads(json.dumps(record.to_dict()))
     assert blob["turns"][0]["kvshare"]["method"] == "kvcmas"
@@ -268,8 +264,13 @@ def test_a_method_variant_label_becomes_annotation_keys():
     role = get_roles("mmlu").final_role
     segs = [{"text": "hi"}]
     assert build_payload(role, segs, "wf", "kvcmas+rows64", 4)["kvshare"] | {"segments": None} == {
-        "workflow": "wf", "agent": role.name, "method": "kvcmas", "segments": None,
-        "fallback": "rows", "fallback_block": 64}
+        "workflow": "wf",
+        "agent": role.name,
+        "method": "kvcmas",
+        "segments": None,
+        "fallback": "rows",
+        "fallback_block": 64,
+    }
     assert build_payload(role, segs, "wf", "kvcmas+rows", 4)["kvshare"]["fallback"] == "rows"
     assert "fallback_block" not in build_payload(role, segs, "wf", "kvcmas+rows", 4)["kvshare"]
     assert build_payload(role, segs, "wf", "kvcmas+dense", 4)["kvshare"]["fallback"] == "dense"
