@@ -7,6 +7,7 @@ Everything here works on plain ``/generate`` JSON replies and on the ``--kvshare
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -102,37 +103,54 @@ def load_dump(path: Path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def kv_error(approx: Dict[str, Any], dense: Dict[str, Any]) -> Optional[Dict[str, float]]:
-    """Frobenius error of one segment's cache, ``||C_hat - C||_F / ||C||_F`` with C the K and V of
-    all layers together, and also for K and V alone. Sums of squares are returned for pooling.
-    None when the two dumps are not the same tokens at the same position."""
+@dataclass(frozen=True)
+class KvError:
+    """Frobenius error of one segment's cache: ``rel = ||C_hat - C||_F / ||C||_F`` with C the K and V
+    of all layers together, ``k_rel`` / ``v_rel`` for K and V alone, and the sums of squares behind
+    them (``diff2`` = ``||C_hat - C||^2``, ``ref2`` = ``||C||^2``) for pooling."""
+
+    rel: float
+    k_rel: float
+    v_rel: float
+    diff2: float
+    ref2: float
+    k_diff2: float
+    k_ref2: float
+    v_diff2: float
+    v_ref2: float
+
+
+def kv_error(approx: Dict[str, Any], dense: Dict[str, Any]) -> Optional[KvError]:
+    """The :class:`KvError` of ``approx`` against ``dense`` (two dumps of one segment); None when
+    they are not the same tokens at the same position."""
     import torch
 
     if approx["start"] != dense["start"] or list(approx["token_ids"]) != list(dense["token_ids"]):
         return None
-    out: Dict[str, float] = {"tokens": len(dense["token_ids"])}
+    sums: Dict[str, float] = {}
     for name in ("k", "v"):
         a = approx[name].double()
         d = dense[name].double()
         if a.shape != d.shape:
             return None
-        out[f"{name}_diff2"] = float(torch.sum((a - d) ** 2))
-        out[f"{name}_ref2"] = float(torch.sum(d**2))
-    out["diff2"] = out["k_diff2"] + out["v_diff2"]
-    out["ref2"] = out["k_ref2"] + out["v_ref2"]
+        sums[f"{name}_diff2"] = float(torch.sum((a - d) ** 2))
+        sums[f"{name}_ref2"] = float(torch.sum(d**2))
+    sums["diff2"] = sums["k_diff2"] + sums["v_diff2"]
+    sums["ref2"] = sums["k_ref2"] + sums["v_ref2"]
+    rel = {}
     for prefix in ("", "k_", "v_"):
-        ref = out[f"{prefix}ref2"]
-        out[f"{prefix}rel"] = math.sqrt(out[f"{prefix}diff2"] / ref) if ref > 0 else float("nan")
-    return out
+        ref = sums[f"{prefix}ref2"]
+        rel[f"{prefix}rel"] = math.sqrt(sums[f"{prefix}diff2"] / ref) if ref > 0 else float("nan")
+    return KvError(**rel, **sums)
 
 
-def pooled(errors: Iterable[Dict[str, float]], prefix: str = "") -> Optional[float]:
-    """sqrt(sum ||C_hat - C||^2 / sum ||C||^2) over segments."""
+def pooled(errors: Iterable[KvError], prefix: str = "") -> Optional[float]:
+    """sqrt(sum ||C_hat - C||^2 / sum ||C||^2) over segments; ``prefix`` "k_" or "v_": K or V alone."""
     errors = list(errors)
-    ref = sum(e[f"{prefix}ref2"] for e in errors)
+    ref = sum(getattr(e, f"{prefix}ref2") for e in errors)
     if not errors or ref <= 0:
         return None
-    return math.sqrt(sum(e[f"{prefix}diff2"] for e in errors) / ref)
+    return math.sqrt(sum(getattr(e, f"{prefix}diff2") for e in errors) / ref)
 
 
 # ----------------------------------------------------------------------------- aggregation
