@@ -130,11 +130,7 @@ def _load_humaneval() -> List[Task]:
             dataset="humaneval",
             question=row["prompt"],
             reference=row["canonical_solution"],
-            extra={
-                "prompt": row["prompt"],
-                "test": row["test"],
-                "entry_point": row["entry_point"],
-            },
+            extra={"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]},
         )
         for row in rows
     ]

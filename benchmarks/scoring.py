@@ -80,9 +80,7 @@ def extract_choice(text: str, num_choices: int = 4, choices: Sequence[str] = ())
 
     lowered = text.lower()
     quoted = [
-        letters[i]
-        for i, c in enumerate(choices[:num_choices])
-        if len(c.strip()) >= 3 and c.strip().lower() in lowered
+        letters[i] for i, c in enumerate(choices[:num_choices]) if len(c.strip()) >= 3 and c.strip().lower() in lowered
     ]
     if len(quoted) == 1:
         return quoted[0]
@@ -183,9 +181,7 @@ _LAUNCHER = (
 
 
 def run_python_program(
-    program: str,
-    timeout_s: float = HUMANEVAL_TIMEOUT_S,
-    memory_bytes: int = HUMANEVAL_MEMORY_BYTES,
+    program: str, timeout_s: float = HUMANEVAL_TIMEOUT_S, memory_bytes: int = HUMANEVAL_MEMORY_BYTES
 ) -> Score:
     """Run ``program`` in a fresh isolated interpreter in a temporary directory.
 
@@ -197,8 +193,7 @@ def run_python_program(
         path.write_text(program, encoding="utf-8")
         cpu_limit_s = max(1, math.ceil(timeout_s) + 1)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-c", _LAUNCHER, str(path), str(cpu_limit_s),
-             str(memory_bytes)],
+            [sys.executable, "-I", "-B", "-c", _LAUNCHER, str(path), str(cpu_limit_s), str(memory_bytes)],
             cwd=workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

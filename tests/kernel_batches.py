@@ -23,8 +23,9 @@ def paged_batch(q_lens, kv_lens, seed=0, key_lr=False):
     kw = dict(lr_buf=lr_buf, B_v=B_v)
     if key_lr:
         rope = RopeSpec(inv_freq_for(D, 100000.0), D, is_neox=True)
-        kw["key_lr"] = KeyLR(torch.randn(SLOTS, N_AGENTS, R, generator=g),
-                                 torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2, rope)
+        kw["key_lr"] = KeyLR(
+            torch.randn(SLOTS, N_AGENTS, R, generator=g), torch.randn(N_AGENTS, R, HKV * D, generator=g) * 0.2, rope
+        )
     return (q, k_buf, v_buf, kv_indices, qo_indptr, kv_indptr), kw
 
 

@@ -53,8 +53,7 @@ class LRCacheConfig:
     device: str = "cpu"
 
     def __post_init__(self):
-        for name in ("num_layers", "num_slots", "max_agents", "max_rank", "num_kv_heads",
-                     "head_dim"):
+        for name in ("num_layers", "num_slots", "max_agents", "max_rank", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -78,10 +77,7 @@ class LRCachePool:
         shape = (config.num_slots, config.max_agents, config.max_rank)
         kinds = LR_KINDS if config.key_lr else LR_KINDS[:1]
         self._buffers: Dict[str, List[torch.Tensor]] = {
-            kind: [
-                torch.zeros(shape, dtype=config.dtype, device=config.device)
-                for _ in range(config.num_layers)
-            ]
+            kind: [torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in range(config.num_layers)]
             for kind in kinds
         }
         self._agents: Dict[str, Tuple[int, int]] = {}  # name -> (column, rank)
@@ -146,8 +142,7 @@ class LRCachePool:
         if agent is None:
             n_max, r_max = buf.shape[1:]
             if values.dim() != 3 or values.shape[1] > n_max or values.shape[2] > r_max:
-                raise ValueError(f"values must be [T, <= {buf.shape[1]}, <= {buf.shape[2]}], "
-                                 f"got {tuple(values.shape)}")
+                raise ValueError(f"values must be [T, <= {buf.shape[1]}, <= {buf.shape[2]}], got {tuple(values.shape)}")
             n, r = values.shape[1:]
             if columns is None:
                 buf[slots, :n, :r] = values
@@ -160,9 +155,7 @@ class LRCachePool:
                 raise ValueError(f"values must be [T, {rank}], got {tuple(values.shape)}")
             buf[slots, col, :rank] = values
 
-    def read(
-        self, layer: int, slots: torch.Tensor, agent: str, kind: str = "value"
-    ) -> torch.Tensor:
+    def read(self, layer: int, slots: torch.Tensor, agent: str, kind: str = "value") -> torch.Tensor:
         """LR values ``[T, r_agent]`` of agent ``agent`` at KV slots ``slots`` [T] (a copy)."""
         col, rank = self._agents[agent]
         return self.buffer(layer, kind)[slots, col, :rank]
@@ -209,11 +202,7 @@ def prelr_shared(x_adpt: torch.Tensor, A_all: torch.Tensor, scaling: Scaling) ->
 
 
 def rebase_shared(
-    x_adpt: Optional[torch.Tensor],
-    x_neut: torch.Tensor,
-    A_all: torch.Tensor,
-    scaling: Scaling,
-    current_agent: int,
+    x_adpt: Optional[torch.Tensor], x_neut: torch.Tensor, A_all: torch.Tensor, scaling: Scaling, current_agent: int
 ) -> LRWrite:
     """ReBaseShared: neutral base cache from x_neut [T, d_in]; LR column ``current_agent`` from
     x_adpt [T, d_in] (the agent's own adapted states), every other column from x_neut.

@@ -52,39 +52,70 @@ def test_fidelity_warmup_tasks_are_other_tasks_and_keep_the_measured_set():
 
 
 def test_lora_runs_fullshared_on_a_plain_lora_server_after_the_lr_cache_server():
-    args = parse_args(["--agent-kind", "lora", "--methods", "nonshared,fullshared,prelr_shared",
-                       "--server-arg=--max-total-tokens=8192"])
+    args = parse_args(
+        [
+            "--agent-kind",
+            "lora",
+            "--methods",
+            "nonshared,fullshared,prelr_shared",
+            "--server-arg=--max-total-tokens=8192",
+        ]
+    )
     groups = server_groups(args)
     assert [(n, ms, url) for n, ms, url, _ in groups] == [
-        ("lr-cache", ["nonshared", "prelr_shared"], None), ("plain-lora", ["fullshared"], None)]
+        ("lr-cache", ["nonshared", "prelr_shared"], None),
+        ("plain-lora", ["fullshared"], None),
+    ]
     assert groups[0][3] == list(lora_server_args()) + ["--max-total-tokens=8192"]
     assert "--kvshare-lr-cache" in groups[0][3] and "--kvshare-lr-cache" not in groups[1][3]
     assert groups[1][3] == [a for a in lora_server_args() if a != "--kvshare-lr-cache"] + ["--max-total-tokens=8192"]
     # generated adapters replace the shipped ones, and every one of them fits in a batch
-    gen = server_groups(parse_args(["--agent-kind", "lora-random", "--methods", "prelr_shared,fullshared"]),
-                        {f"a{i}": f"/x/a{i}" for i in range(8)})
+    gen = server_groups(
+        parse_args(["--agent-kind", "lora-random", "--methods", "prelr_shared,fullshared"]),
+        {f"a{i}": f"/x/a{i}" for i in range(8)},
+    )
     for _, _, _, flags in gen:
-        paths = flags[flags.index("--lora-paths") + 1:]
+        paths = flags[flags.index("--lora-paths") + 1 :]
         assert paths == [f"a{i}=/x/a{i}" for i in range(8)]
         assert flags[flags.index("--max-loras-per-batch") + 1] == "9"  # adapters + the base model
     task, final = make_roles(5, "lora-random")
-    assert [r.name for r in task] + [final.name] == [r.lora_path for r in task] + [final.lora_path] == [
-        "a0", "a1", "a2", "a3", "a4"]
+    assert (
+        [r.name for r in task] + [final.name]
+        == [r.lora_path for r in task] + [final.lora_path]
+        == ["a0", "a1", "a2", "a3", "a4"]
+    )
     with pytest.raises(SystemExit):
         parse_args(["--agent-kind", "lora-random", "--lora-rank", "0"])
     # prompt agents: one server; an attached LR-cache server needs the plain one's URL for fullshared
     assert [g[0] for g in server_groups(parse_args([]))] == ["main"]
     # one fresh server per method label: fallback variants then learn their own pools and tau
-    per = server_groups(parse_args(["--methods", "kvcmas+dense,kvcmas+rows64", "--server-per-method",
-                                    "--server-arg=--max-total-tokens=8192"]))
-    assert per == [("kvcmas+dense", ["kvcmas+dense"], None, ["--max-total-tokens=8192"]),
-                   ("kvcmas+rows64", ["kvcmas+rows64"], None, ["--max-total-tokens=8192"])]
+    per = server_groups(
+        parse_args(
+            ["--methods", "kvcmas+dense,kvcmas+rows64", "--server-per-method", "--server-arg=--max-total-tokens=8192"]
+        )
+    )
+    assert per == [
+        ("kvcmas+dense", ["kvcmas+dense"], None, ["--max-total-tokens=8192"]),
+        ("kvcmas+rows64", ["kvcmas+rows64"], None, ["--max-total-tokens=8192"]),
+    ]
     with pytest.raises(SystemExit):
         parse_args(["--server-per-method", "--url", "http://x:1"])
     with pytest.raises(SystemExit):
         parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--methods", "nonshared,fullshared"])
-    attached = server_groups(parse_args(["--agent-kind", "lora", "--url", "http://x:1", "--plain-lora-url",
-                                         "http://y:2", "--methods", "nonshared,fullshared"]))
+    attached = server_groups(
+        parse_args(
+            [
+                "--agent-kind",
+                "lora",
+                "--url",
+                "http://x:1",
+                "--plain-lora-url",
+                "http://y:2",
+                "--methods",
+                "nonshared,fullshared",
+            ]
+        )
+    )
     assert [(n, url) for n, _, url, _ in attached] == [("lr-cache", "http://x:1"), ("plain-lora", "http://y:2")]
 
 
@@ -103,8 +134,10 @@ def test_merge_parts_joins_points_and_recomputes_ratios_over_all_servers():
         cap = {ctx: {m: _blank(CapacityRow, wf_per_s=v) for m, v in rows.items()} for ctx, rows in cap.items()}
         return Part(tuple(pts), (), cap, {"agents": (), "rounds": ()}, ({"m": 1},))
 
-    a = part([_point(512, {"nonshared": 2.0, "prelr_shared": 0.5}), _point(256, {"nonshared": 1.0})],
-             {"512": {"nonshared": 0.1}})
+    a = part(
+        [_point(512, {"nonshared": 2.0, "prelr_shared": 0.5}), _point(256, {"nonshared": 1.0})],
+        {"512": {"nonshared": 0.1}},
+    )
     b = part([_point(512, {"fullshared": 0.4})], {"512": {"fullshared": 0.3}})
     m = merge_parts([a, b]).to_json()
     assert [p["context"] for p in m["qps_sweep"]] == [256, 512]
