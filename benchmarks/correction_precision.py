@@ -1,7 +1,7 @@
 """The precision of the KVCMAS correction's products on real caches, side by side: float32 products
 on float16 factors against bfloat16 products on bfloat16 factors (the defaults where bfloat16 is
 native, ``--kvshare-anchor-compute-dtype auto``). Agent 0 -> agent 1 of the MMLU roles over 2K
-contexts built like the serving benchmark's (``benchmarks.serving.make_context``); the anchors are
+contexts built like the serving benchmark's (``benchmarks.serving.workload.make_context``); the anchors are
 the first N contexts' observations, the corrected segment is context N+1's; every gate open
 (tau 1). Reports the time of ``correct()`` (median of 3), the gate entropy, the corrected cache's
 error against the dense target, and the difference between the two corrected caches. HF
@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.reference_error import HFModel, err
-from benchmarks.serving import make_context
+from benchmarks.serving.workload import make_context
 from sglang_kvshare.correction import create_corrector
 from sglang_kvshare.workflows import get_roles
 

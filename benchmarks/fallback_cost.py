@@ -1,7 +1,7 @@
 """What a rejected later turn costs against not sharing, side by side on one server.
 
 One server (``python -m sglang_kvshare.launch_server``, the default SmolLM2 on the CPU, default
-flags) runs two-agent workflows on distinct contexts (``benchmarks.serving.make_context``): the
+flags) runs two-agent workflows on distinct contexts (``benchmarks.serving.workload.make_context``): the
 first agent prefills the context, the second reads it and the first agent's output. The second
 agent's turn is measured in four arms, each on a context of its own:
 
@@ -33,7 +33,9 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.kv_views import save
-from benchmarks.serving import make_context, stream_generate
+from benchmarks.client import stream_generate
+from benchmarks.serving.workload import make_context
+from sglang_kvshare.routing import routing_headers
 from sglang_kvshare.testing.server import Server
 from sglang_kvshare.testing.workflows import payload, segments, settle
 
@@ -55,11 +57,11 @@ def later_turn(server: Server, session: requests.Session, context: str, wf: str,
             wf, agent, method, segments(agent, outputs, question=context), output_len, **(extra if outputs else {})
         )
         body["sampling_params"]["ignore_eos"] = True
-        r = stream_generate(session, server.url, body, timeout=1800)
-        outputs[agent] = r["text"]
-    kv = r["meta"]["kvshare"]
+        r = stream_generate(session, server.url, body, timeout=1800, headers=routing_headers(body))
+        outputs[agent] = r.text
+    kv = r.meta["kvshare"]
     return {
-        "ttft_s": r["ttft_s"],
+        "ttft_s": r.ttft_s,
         "computed_tokens": kv["computed_tokens"],
         "prompt_tokens": kv["prompt_tokens"],
         "gates": [s.get("gate") for s in kv.get("segments", []) if "gate" in s],

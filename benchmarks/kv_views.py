@@ -5,7 +5,7 @@ flags: views on) runs each workflow twice, in views mode and in copy mode (``kv_
 the annotation: every later agent writes a re-rotated copy of each shared segment into slots of
 its own, as ``--no-kvshare-kv-views`` does), alternating which mode goes first, so drift of the
 machine hits both alike. A workflow is sequential ``fullshared`` agents: agent i reads the
-workflow's shared context (distinct per workflow, ``benchmarks.serving.make_context``) and every
+workflow's shared context (distinct per workflow, ``benchmarks.serving.workload.make_context``) and every
 earlier agent's output, greedy, ``--output-len`` tokens each (ignore_eos). Before each workflow
 the radix tree is flushed, so ``tree_tokens`` after it (``/server_info``) is the KV one finished
 workflow leaves.
@@ -41,7 +41,9 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.serving import make_context, stream_generate
+from benchmarks.client import stream_generate
+from benchmarks.serving.workload import make_context
+from sglang_kvshare.routing import routing_headers
 from sglang_kvshare.testing.server import Server
 from sglang_kvshare.testing.workflows import flush_cache, payload, segments, settle
 
@@ -76,15 +78,15 @@ def workflow(
             leaves=views,
         )
         body["sampling_params"]["ignore_eos"] = True
-        r = stream_generate(session, server.url, body, timeout=1800)
-        meta = r["meta"]
+        r = stream_generate(session, server.url, body, timeout=1800, headers=routing_headers(body))
+        meta = r.meta
         n = meta.get("completion_tokens", output_len)
         turns.append(
             {
                 "agent": agent,
-                "text": r["text"],
-                "ttft_s": r["ttft_s"],
-                "decode_tok_s": (n - 1) / max(r["e2e_s"] - r["ttft_s"], 1e-9),
+                "text": r.text,
+                "ttft_s": r.ttft_s,
+                "decode_tok_s": (n - 1) / max(r.e2e_s - r.ttft_s, 1e-9),
                 "inject_ms": meta["kvshare"].get("inject_ms"),
                 "view_tokens": meta["kvshare"]["view_tokens"],
                 "injected_tokens": meta["kvshare"]["injected_tokens"],
@@ -92,7 +94,7 @@ def workflow(
                 **_correction(meta["kvshare"]),
             }
         )
-        outputs[agent] = r["text"]
+        outputs[agent] = r.text
     return {"turns": turns, "tree_tokens": settle(server)["tree_tokens"]}
 
 

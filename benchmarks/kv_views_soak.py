@@ -30,7 +30,7 @@ from typing import Optional
 import requests
 from tqdm import tqdm
 
-from benchmarks.serving import find_server_pid, tree_rss_mb
+from benchmarks.serving.memory import find_server_pid, tree_rss_mb
 from sglang_kvshare.testing.workflows import QUESTION, flush_cache, payload, segments, settle
 
 METHODS = ("fullshared", "fullshared", "nonshared", "kvcmas", "cacheblend")

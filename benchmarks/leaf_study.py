@@ -81,7 +81,7 @@ def main(argv=None):
     data = []
     for t in tasks:
         if args.context_tokens:
-            from benchmarks.serving import make_context
+            from benchmarks.serving.workload import make_context
 
             q = hf.enc(make_context(hf.tok, args.context_tokens, t.id))
         else:

@@ -29,7 +29,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import requests
 
-from benchmarks.serving import make_context, make_roles, stream_generate
+from benchmarks.client import stream_generate
+from benchmarks.serving.workload import make_context
+from sglang_kvshare.routing import routing_headers
+from sglang_kvshare.testing.workflows import make_roles
 from sglang_kvshare.workflows import build_payload, build_segments
 
 Interval = Tuple[float, float]
@@ -92,9 +95,9 @@ def workflows(url: str, tok, n: int, context: int, tag: str, pause: float) -> Li
                 p = build_payload(role, build_segments(role, ctx, reads), f"{tag}-{w}", "kvcmas", 8)
                 p["kvshare"]["tau"] = 0.0  # every gate rejects: every later agent is an observation
                 t0 = time.perf_counter()
-                r = stream_generate(session, url, p, 900)
-                prefills.append((t0, t0 + r["ttft_s"]))
-                outs.append(r["text"])
+                r = stream_generate(session, url, p, 900, headers=routing_headers(p))
+                prefills.append((t0, t0 + r.ttft_s))
+                outs.append(r.text)
                 time.sleep(pause)  # released: an inline factorisation runs now, beside decoding only
     return prefills
 

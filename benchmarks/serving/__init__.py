@@ -64,22 +64,3 @@ dataclasses the JSON is written from: ``PointResult``, ``Point``, ``CapacityRow`
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict
-from typing import Any, Dict
-
-from benchmarks.serving.memory import find_server_pid, tree_rss_mb
-from benchmarks.serving.workload import make_context
-from sglang_kvshare.testing.workflows import make_roles
-
-__all__ = ["find_server_pid", "make_context", "make_roles", "stream_generate", "tree_rss_mb"]
-
-
-def stream_generate(session, url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    """``benchmarks.client.stream_generate`` with the routing-key header, as a dict (``ttft_s``,
-    ``e2e_s``, ``text``, ``meta``): the form the other benchmarks read (fallback_cost, kv_views,
-    observe_stall)."""
-    from benchmarks.client import stream_generate as stream
-    from sglang_kvshare.routing import routing_headers
-
-    return asdict(stream(session, url, payload, timeout, headers=routing_headers(payload)))
