@@ -23,7 +23,8 @@ import pytest
 import requests
 
 from sglang_kvshare.correction.warm_start import SAVE_KEY
-from sglang_kvshare.launch_router import wait_router, worker_anchor_pool, worker_argv
+from sglang_kvshare.launch_router import wait_router
+from sglang_kvshare.router_argv import worker_anchor_pool, worker_argv
 from sglang_kvshare.routing import routing_headers
 from sglang_kvshare.testing.server import Server
 from sglang_kvshare.testing.workflows import QUESTION, SYSTEM, payload, segments, settle
