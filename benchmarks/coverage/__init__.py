@@ -39,31 +39,3 @@ Modules: ``selection`` (the recompute selections, coverage and its summary as ty
 ``pairs`` (reused/exact cache pairs from the dumps, the profile, attention importance),
 ``report`` (tables, plot), ``cli``; the workflows run through ``benchmarks.fidelity.runner``.
 """
-
-from benchmarks.coverage.selection import (
-    CRITERIA,
-    RHOS,
-    CoverageEntry,
-    CoverageSummary,
-    CriterionSummary,
-    MismatchedSegment,
-    SegmentCoverage,
-    coverage_entry,
-    layer_mask,
-    summarise_coverage,
-    token_mask,
-)
-
-__all__ = [
-    "CRITERIA",
-    "RHOS",
-    "CoverageEntry",
-    "CoverageSummary",
-    "CriterionSummary",
-    "MismatchedSegment",
-    "SegmentCoverage",
-    "coverage_entry",
-    "layer_mask",
-    "summarise_coverage",
-    "token_mask",
-]

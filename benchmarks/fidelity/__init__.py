@@ -63,23 +63,3 @@ Modules: ``options`` (methods, adapters, command line), ``records`` (the typed p
 records and their JSON form), ``turns`` (one shadowed workflow), ``summary`` (``aggregate``),
 ``runner`` (the server, the results file, the loop over tasks), ``report`` (table, plots), ``cli``.
 """
-
-from benchmarks.fidelity.options import (
-    KNOWN_METHODS,
-    LORA_METHODS,
-    MAIN_METHODS,
-    RECOMPUTE_METHODS,
-    Arm,
-    adapters,
-    measured_and_warmup_tasks,
-)
-
-__all__ = [
-    "KNOWN_METHODS",
-    "LORA_METHODS",
-    "MAIN_METHODS",
-    "RECOMPUTE_METHODS",
-    "Arm",
-    "adapters",
-    "measured_and_warmup_tasks",
-]

@@ -23,7 +23,7 @@ BASELINE = "nonshared"
 
 def lora_server_args() -> tuple[str, ...]:
     """launch_server flags of the LR-cache server for LoRA agents, with the shipped adapters."""
-    from benchmarks.fidelity import adapters
+    from benchmarks.fidelity.options import adapters
 
     paths = (f"{n}={p}" for n, p in adapters().items())
     return (

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 
-class Span(Protocol):
+class LabelledRun(Protocol):
     """A labelled run of a prompt (``token_index.Run``)."""
 
     @property
@@ -36,7 +36,9 @@ def merge_short(parts: list[tuple[int, int, str]], k: int) -> list[tuple[int, in
     return out
 
 
-def prompt_labels(n: int, runs: Sequence[Span], agent: str, message_of: Sequence[int]) -> list[tuple[int, int, str]]:
+def prompt_labels(
+    n: int, runs: Sequence[LabelledRun], agent: str, message_of: Sequence[int]
+) -> list[tuple[int, int, str]]:
     """Labels of a prompt of ``n`` tokens: each run's, elsewhere ``ctx:<agent>:<message>`` (token
     ``t`` in message ``message_of[t]``)."""
     labels: list[tuple[int, int, str]] = []

@@ -43,7 +43,7 @@ def test_summary_flags_stalls_against_the_median():
 
 def test_fidelity_warmup_tasks_are_other_tasks_and_keep_the_measured_set():
     from benchmarks.datasets import load_tasks
-    from benchmarks.fidelity import measured_and_warmup_tasks
+    from benchmarks.fidelity.options import measured_and_warmup_tasks
 
     tasks, warm = measured_and_warmup_tasks("mmlu", 12, 5, seed=3)
     assert [t.id for t in tasks] == [t.id for t in load_tasks("mmlu", 12, seed=3)]

@@ -2,7 +2,7 @@
 
 import torch
 
-from benchmarks.coverage import (
+from benchmarks.coverage.selection import (
     RHOS,
     CoverageEntry,
     MismatchedSegment,
