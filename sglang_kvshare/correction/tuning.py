@@ -6,8 +6,9 @@ instead, and guards quality with measured errors.
 
 - ``target_rho``: tau is the token-weighted ``target_rho`` quantile of the gate entropies of the
   last ``window`` gated segments, so about that fraction of the gated shared tokens is accepted
-  (the least ambiguous matches first). Segments that could not be gated (fewer than two
-  anchors) are outside its reach. Before the first gate, every correction is accepted (tau 1):
+  (the least ambiguous matches first). Rows an accepted segment recomputes anyway (its head,
+  ``--kvshare-recompute-head``) count as not reused, so the controller accepts more segments to
+  hold the target. Segments that could not be gated (fewer than two anchors) are outside its reach. Before the first gate, every correction is accepted (tau 1):
   a fresh server reuses from the first segment with two anchors, and the window fills as it goes.
 - Error guard (the shadow-dense monitor feeds it): a measured relative KV error above
   ``max_error`` caps tau below the entropy of the correction that erred (x ``backoff``); each
@@ -41,7 +42,7 @@ class TauController:
         self.max_error = max_error
         self.backoff, self.recovery = backoff, recovery
         self.cap = 1.0
-        self._gates: Deque[Tuple[float, int]] = deque(maxlen=window)
+        self._gates: Deque[Tuple[float, int, int]] = deque(maxlen=window)
         self.num_errors = 0
         self.num_violations = 0
         self.last_error: Optional[float] = None
@@ -50,12 +51,14 @@ class TauController:
         """The threshold to gate with now."""
         tau = self.base_tau
         if self.target_rho is not None:
-            tau = _weighted_quantile(self._gates, self.target_rho) if self._gates else 1.0
+            tau = _reuse_quantile(self._gates, self.target_rho) if self._gates else 1.0
         return min(tau, self.cap)
 
-    def observe_gate(self, entropy: float, tokens: int) -> None:
-        """A gate ran on a segment of ``tokens`` rows with this normalised entropy."""
-        self._gates.append((float(entropy), max(1, int(tokens))))
+    def observe_gate(self, entropy: float, tokens: int, recomputed: int = 0) -> None:
+        """A gate ran on a segment of ``tokens`` rows with this normalised entropy; ``recomputed``
+        of them are recomputed even where it accepts (the head rows)."""
+        tokens = max(1, int(tokens))
+        self._gates.append((float(entropy), tokens, min(max(0, int(recomputed)), tokens)))
 
     def observe_error(self, entropy: float, error: float) -> None:
         """A shadowed correction (gate entropy ``entropy``) had relative KV error ``error``."""
@@ -82,13 +85,15 @@ class TauController:
         }
 
 
-def _weighted_quantile(samples, q: float) -> float:
-    """Smallest value v with weight(values <= v) >= q * total weight."""
+def _reuse_quantile(samples, q: float) -> float:
+    """Smallest entropy v such that accepting every segment gated at <= v reuses at least ``q`` of
+    all gated tokens (a segment's tokens less its recomputed rows); 1.0 (accept every segment)
+    where not even that reaches ``q``. Without recomputed rows: the token-weighted q-quantile."""
     ordered = sorted(samples)
-    total = sum(w for _, w in ordered)
-    acc = 0
-    for value, w in ordered:
-        acc += w
-        if acc >= q * total - 1e-9:
+    total = sum(n for _, n, _ in ordered)
+    reused = 0
+    for value, n, recomputed in ordered:
+        reused += n - recomputed
+        if reused >= q * total - 1e-9:
             return value
-    return ordered[-1][0]
+    return 1.0

@@ -178,6 +178,20 @@ def test_tau_controller_holds_the_token_weighted_reuse_target():
         TauController(0.3, target_rho=0.0)
 
 
+def test_tau_controller_counts_head_rows_as_not_reused():
+    plain, headed = TauController(0.3, target_rho=0.5), TauController(0.3, target_rho=0.5)
+    for h in (0.1, 0.2, 0.3, 0.4):
+        plain.observe_gate(h, 100)
+        headed.observe_gate(h, 100, recomputed=20)
+    assert plain.tau() == 0.2  # two segments of four: half the tokens
+    assert headed.tau() == 0.3  # 80 reused rows each: three segments for 50 % of 400
+    headed.observe_gate(0.5, 100, recomputed=100)  # a segment recomputed whole reuses nothing
+    assert headed.tau() == 0.4  # 250 of 500 tokens: 0.1-0.4 reuse 320
+    greedy = TauController(0.3, target_rho=0.95)
+    greedy.observe_gate(0.2, 100, recomputed=10)
+    assert greedy.tau() == 1.0  # even accepting everything reuses 0.9: accept everything
+
+
 def test_tau_controller_error_guard_caps_and_recovers():
     c = TauController(0.8, max_error=0.05)
     c.observe_error(0.6, 0.2)  # a correction accepted at entropy 0.6 erred

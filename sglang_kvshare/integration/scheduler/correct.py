@@ -131,8 +131,6 @@ def correct_segment(
             tau=tau,
             block_size=ses.gate_block(st.spec),
         )
-        if result.entropy is not None:
-            controller.observe_gate(result.entropy, num_tokens)
         record = {
             "gate": result.reason,
             "entropy": None if result.entropy is None else round(float(result.entropy), 6),
@@ -148,7 +146,10 @@ def correct_segment(
             record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        head = min(ses.recompute_head(st.spec), result.corrected_len) if result.accepted else 0
+        head = min(ses.recompute_head(st.spec), result.corrected_len)
+        if result.entropy is not None:  # head rows count as not reused (tuning.TauController)
+            controller.observe_gate(result.entropy, num_tokens, head)
+        head = head if result.accepted else 0
         rejected = with_head(result.rejected_rows, head)
         if head:
             record["recomputed_head"] = head
