@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 import pytest
 
 from benchmarks.client import Percentiles
+from benchmarks import frontier as fr
 from benchmarks.observe_stall import split_gaps, summary
 from benchmarks.serving.cli import parse_args
 from benchmarks.serving.point import steady_throughput
@@ -150,3 +152,43 @@ def test_merge_parts_joins_points_and_recomputes_ratios_over_all_servers():
     assert m["capacity"]["512"]["fullshared"]["vs_nonshared"] == pytest.approx(3.0)
     assert len(m["timeline"]) == 2
     assert list(a.points[0].methods) == ["nonshared", "prelr_shared"]  # the parts are left as they were
+
+
+def _fidelity_json(path, tasks, labels):
+    summaries = {
+        label: {"rho": rho, "kl_mean": kl, "top1_agree": top1, "exact_match": 0.9, "computed_tokens": 100}
+        for label, (rho, kl, top1) in labels.items()
+    }
+    path.write_text(json.dumps({"config": {"tasks": tasks}, "main": summaries}))
+    return path
+
+
+def test_frontier_joins_runs_on_the_same_tasks_by_family(tmp_path):
+    a = _fidelity_json(
+        tmp_path / "a.json",
+        ["mmlu/1", "mmlu/2"],
+        {"nonshared": (0.0, 0.0, 1.0), "fullshared": (1.0, 0.02, 0.9), "kvcmas+head4+rho1.0": (0.9, 0.006, 0.99)},
+    )
+    b = _fidelity_json(
+        tmp_path / "b.json",
+        ["mmlu/1", "mmlu/2"],
+        {"fullshared": (1.0, 0.02, 0.9), "kvcmas+head4": (0.77, 0.003, 1.0), "kvcmas": (0.86, 0.009, 0.96)},
+    )
+    other = _fidelity_json(tmp_path / "c.json", ["gsm8k/1"], {"kvcmas": (0.8, 0.01, 0.9)})
+    groups = fr.load_points([a, b, other])
+    points = fr.dedupe(groups[("mmlu/1", "mmlu/2")])
+    assert [p.label for p in points] == ["fullshared", "kvcmas+head4+rho1.0", "kvcmas+head4", "kvcmas"]
+    assert {p.family for p in points} == {"fullshared", "kvcmas+head4", "kvcmas"}
+    assert fr.Point.family_of("droidspeak@rho0.8") == "droidspeak"
+    # kvcmas (0.86, 0.009) is beaten by kvcmas+head4+rho1.0 (0.9, 0.006); the others are not
+    assert {p.label for p in fr.frontier(points)} == {"fullshared", "kvcmas+head4+rho1.0", "kvcmas+head4"}
+    assert "| kvcmas | b.json | 0.860 | 0.0090 | 0.45 |" in fr.markdown(points)
+
+
+def test_frontier_cli_writes_table_and_plot(tmp_path):
+    a = _fidelity_json(tmp_path / "a.json", ["mmlu/1"], {"fullshared": (1.0, 0.02, 0.9), "kvcmas": (0.86, 0.009, 0.96)})
+    assert fr.main([str(a), "--out", str(tmp_path / "f")]) == 0
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert "kvcmas" in (tmp_path / "f.md").read_text()
+    with pytest.raises(SystemExit):
+        fr.main([str(tmp_path / "a.json"), "--out", str(tmp_path / "g"), "--families", "nothing"])
