@@ -28,6 +28,14 @@ def common_prefix(a, b) -> int:
     return n
 
 
+def common_suffix(a, b, limit: int) -> int:
+    """Length of the common trailing run of two token sequences, counted up to ``limit``."""
+    n = 0
+    while n < min(limit, len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class SourceRecord:
     agent: str
@@ -35,6 +43,18 @@ class SourceRecord:
     token_ids: tuple[int, ...]  # the source path, from position 0 to at least ``end``
     start: int  # the slot's tokens are token_ids[start:end]
     end: int
+
+    def head_rows(self, window: int, tokens, start: int) -> int:
+        """Rows of this slot, read at ``tokens[start:]``, that lie within ``window`` tokens after
+        the point where ``tokens`` diverge from the source path before the slot: ``window`` less
+        the tokens that precede the slot alike in both (``--kvshare-recompute-head``)."""
+        if window <= 0:
+            return 0
+        before = self.token_ids[max(0, self.start - window) : self.start]
+        alike = common_suffix(before, tokens[max(0, start - window) : start], window)
+        if start == self.start == alike:  # the same tokens from position 0: nothing diverges
+            return 0
+        return window - alike
 
     @property
     def key(self) -> tuple[str, int, int]:

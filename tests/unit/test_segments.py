@@ -143,3 +143,15 @@ def test_bad_flag_values_get_an_error_naming_the_flag(flag, value):
     with pytest.raises(ValueError, match=flag):
         KVShareArgs.from_cli_args(parser.parse_args([flag, value]))
     assert KVShareArgs.from_cli_args(parser.parse_args(["--kvshare-lp-stash-columns", "0.5"])).lp_stash_columns == 0.5
+
+
+def test_head_rows_count_from_where_the_contexts_diverge():
+    # the source saw the slot (tokens 7 8 9) after "1 2 3 4 5"; the reader after "6 6 4 5"
+    rec = SourceRecord("a", "ns-a", (1, 2, 3, 4, 5, 7, 8, 9), 5, 8)
+    assert rec.head_rows(6, (6, 6, 4, 5, 7, 8, 9), 4) == 4  # "4 5" precede it alike: 6 - 2
+    assert rec.head_rows(2, (6, 6, 4, 5, 7, 8, 9), 4) == 0  # the window lies in the common run
+    assert rec.head_rows(6, (6, 6, 6, 6, 7, 8, 9), 4) == 6  # nothing alike before the slot
+    assert rec.head_rows(0, (6, 6, 4, 5, 7, 8, 9), 4) == 0
+    assert rec.head_rows(6, (1, 2, 3, 4, 5, 7, 8, 9), 5) == 0  # the same path from position 0
+    assert rec.head_rows(6, (9, 2, 3, 4, 5, 7, 8, 9), 5) == 2  # only the first token differs
+    assert rec.head_rows(6, (4, 5, 7, 8, 9), 2) == 4  # a shorter prefix: its start diverges

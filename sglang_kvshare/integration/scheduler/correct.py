@@ -146,7 +146,9 @@ def correct_segment(
             record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        head = min(ses.recompute_head(st.spec), result.corrected_len)
+        head = min(
+            rec.head_rows(ses.recompute_head(st.spec), req.full_untruncated_fill_ids, span.start), result.corrected_len
+        )
         if result.entropy is not None:  # head rows count as not reused (tuning.TauController)
             controller.observe_gate(result.entropy, num_tokens, head)
         head = head if result.accepted else 0
