@@ -138,7 +138,7 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
     slot, agents, block = "q-rows", ("solver", "critic"), 16
     for seed in (51, 52):
         _workflow(tiny_server, f"rows-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
-    rows = dict(fallback="rows", fallback_block=block)
+    rows = dict(fallback="rows", fallback_block=block, recompute_head=0)  # the rejected blocks alone
     # the probe's accepted correction as a copy (a KV leaf is low-rank), as the partial fallback keeps it
     probe = _workflow(
         tiny_server, "rows-probe", "kvcmas", _question(53), agents, slot, tau=1.0, kv_views=False, **rows
@@ -193,7 +193,9 @@ def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
     slot, agents, head = "q-head", ("solver", "critic"), 8
     for seed in (61, 62):
         _workflow(tiny_server, f"head-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
-    probe = _workflow(tiny_server, "head-probe", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False)[1]
+    probe = _workflow(
+        tiny_server, "head-probe", "kvcmas", _question(63), agents, slot, tau=1.0, kv_views=False, recompute_head=0
+    )[1]
     q = probe["segments"][1]
     assert q["mode"] == "corrected" and "recomputed_head" not in q and "recomputed_rows" not in q
     meta = _workflow(

@@ -12,6 +12,8 @@ import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
 
 from sglang_kvshare.correction import SegmentKV
+from sglang_kvshare.kernels.kv_correct import kv_correct
+from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope import RopeSpec, rotate_keys_, shift_keys
 from sglang_kvshare.segments.sources import SourceRecord
 
@@ -166,3 +168,22 @@ def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
     except RuntimeError as e:  # out of KV memory: the segment is computed instead
         logger.warning("kvshare: no KV slots for injection (%s); computing instead", e)
         return None
+
+
+@torch.no_grad()
+def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: int, rope: RopeSpec) -> None:
+    """``kernels.kv_correct`` per layer: slot ``rows[t]`` (cached at position ``positions[t]``)
+    moved to ``start + t``, plus ``delta`` (canonical, rows ``:corrected_len``), into ``dst[t]``.
+    The dense delta enters the kernel as A = delta, B = I."""
+    n = len(dst)
+    layers = list(kv_layers(pool))
+    H, D = layers[0][0].shape[1:]
+    eye = torch.eye(H * D, device=layers[0][0].device)
+    src, dst = rows.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+    shift = (start + torch.arange(n, device=positions.device) - positions).to(torch.int64)
+    for layer, (k_buf, v_buf) in enumerate(layers):
+        dk = torch.zeros(n, H * D, device=k_buf.device)
+        dv = torch.zeros_like(dk)
+        dk[:corrected_len] = delta.k[layer, :corrected_len]
+        dv[:corrected_len] = delta.v[layer, :corrected_len]
+        kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)

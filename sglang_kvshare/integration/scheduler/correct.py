@@ -37,12 +37,11 @@ from sglang_kvshare.integration.cache.kv_io import (
     kv_layers,
     read_source,
     write_canonical,
+    write_fused,
 )
 from sglang_kvshare.integration.cache.leaves import leaf_factors, uniform_offset
 from sglang_kvshare.integration.cache.views import viewable
 from sglang_kvshare.integration.scheduler.recompute_jobs import rows_job, unsupported
-from sglang_kvshare.kernels.kv_correct import kv_correct
-from sglang_kvshare.lowrank import LowRank
 from sglang_kvshare.rope import RopeSpec
 from sglang_kvshare.segments import Span
 from sglang_kvshare.segments.sources import SourceRecord
@@ -61,25 +60,6 @@ class PendingObservation:
     num_tokens: int
     shadow: Optional[SegmentKV] = None
     entropy: Optional[float] = None
-
-
-@torch.no_grad()
-def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: int, rope: RopeSpec) -> None:
-    """``kernels.kv_correct`` per layer: slot ``rows[t]`` (cached at position ``positions[t]``)
-    moved to ``start + t``, plus ``delta`` (canonical, rows ``:corrected_len``), into ``dst[t]``.
-    The dense delta enters the kernel as A = delta, B = I."""
-    n = len(dst)
-    layers = list(kv_layers(pool))
-    H, D = layers[0][0].shape[1:]
-    eye = torch.eye(H * D, device=layers[0][0].device)
-    src, dst = rows.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
-    shift = (start + torch.arange(n, device=positions.device) - positions).to(torch.int64)
-    for layer, (k_buf, v_buf) in enumerate(layers):
-        dk = torch.zeros(n, H * D, device=k_buf.device)
-        dv = torch.zeros_like(dk)
-        dk[:corrected_len] = delta.k[layer, :corrected_len]
-        dv[:corrected_len] = delta.v[layer, :corrected_len]
-        kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)
 
 
 def correct_segment(
@@ -146,9 +126,7 @@ def correct_segment(
             record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        head = min(
-            rec.head_rows(ses.recompute_head(st.spec), req.full_untruncated_fill_ids, span.start), result.corrected_len
-        )
+        head = _head(ses, st, req, span, rec, result.corrected_len, not fused and reference is None)
         if result.entropy is not None:  # head rows count as not reused (tuning.TauController)
             controller.observe_gate(result.entropy, num_tokens, head)
         head = head if result.accepted else 0
@@ -207,6 +185,22 @@ def correct_segment(
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
 
+def _head(ses, st, req, span, rec, k: int, may_leaf: bool) -> int:
+    """Head rows of a correction of ``k`` rows (``SourceRecord.head_rows``); none where it is to be
+    kept as a leaf (head rows make the segment a copy)."""
+    head = min(rec.head_rows(ses.recompute_head(st.spec), req.full_untruncated_fill_ids, span.start), k)
+    return 0 if head and may_leaf and _leaf_wanted(ses, st, k) else head
+
+
+def _leaf_wanted(ses, st, k: int) -> bool:
+    """Whether an accepted correction of ``k`` rows is to be kept as a KV leaf (views with leaves,
+    not copy mode, and leaves asked for or, under ``--kvshare-leaf-policy pressure``, the pool
+    unable to hold the copy without evicting a source read again)."""
+    if ses.views is None or ses.views.leaves is None or st.spec.kv_views is False or st.spec.leaves is False:
+        return False
+    return st.spec.leaves is True or ses.args.leaf_policy != "pressure" or not ses.tree.copies_fit(k)
+
+
 def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool) -> Optional[torch.Tensor]:
     """An accepted correction of rows ``:k`` of ``n`` kept as KV view + leaf (``cache/leaves.py``):
     the request reads the source's slots, which it returns, with the correction (and any leaf the
@@ -216,10 +210,9 @@ def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool
     leaf on these slots, or the segment's keys do not carry RoPE at one offset from its rows."""
     views = ses.views
     leaves = None if views is None else views.leaves
-    if leaves is None or st.spec.kv_views is False or st.spec.leaves is False:
-        return None
-    if st.spec.leaves is None and ses.args.leaf_policy == "pressure" and ses.tree.copies_fit(k):
-        record["kept_as"] = "copy"
+    if leaves is None or not _leaf_wanted(ses, st, k):
+        if leaves is not None and st.spec.kv_views is not False and st.spec.leaves is not False:
+            record["kept_as"] = "copy"
         return None
     slots = src[:n]
     if leaves.has(st.spec.agent, slots):
