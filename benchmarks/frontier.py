@@ -49,9 +49,11 @@ def _tasks(results: dict) -> Tuple[str, ...]:
     return tuple(cfg.get("tasks") or cfg.get("eval_tasks") or ())
 
 
-def load_points(paths: Sequence[Path]) -> Dict[Tuple[str, ...], List[Point]]:
-    """Points by the measured task list; a label measured again in a later file replaces the
-    earlier one only where it is the same label of the same file (each run stays its own point)."""
+def load_points(
+    paths: Sequence[Path], renames: Optional[Dict[Tuple[str, str], str]] = None
+) -> Dict[Tuple[str, ...], List[Point]]:
+    """Points by the measured task list, each run's label its own point; ``renames``: (file name,
+    label) -> the label to show (a variant whose meaning changed between runs)."""
     by_tasks: Dict[Tuple[str, ...], List[Point]] = defaultdict(list)
     for path in paths:
         results = json.loads(Path(path).read_text())
@@ -59,6 +61,7 @@ def load_points(paths: Sequence[Path]) -> Dict[Tuple[str, ...], List[Point]]:
         for label, s in (results.get("main") or {}).items():
             if s.get("kl_mean") is None or s.get("rho") is None or label == "nonshared":
                 continue
+            label = (renames or {}).get((Path(path).name, label), label)
             by_tasks[tasks].append(
                 Point(
                     family=Point.family_of(label),
@@ -156,8 +159,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rho-bound", type=float, default=0.85)
     ap.add_argument("--top1-bound", type=float, default=0.98)
     ap.add_argument("--families", default="", help="comma-separated families to keep (default: all)")
+    ap.add_argument(
+        "--rename", action="append", default=[], metavar="FILE:LABEL=NEW", help="show LABEL of results file FILE as NEW"
+    )
     args = ap.parse_args(argv)
-    groups = load_points(args.results)
+    renames = {}
+    for spec in args.rename:
+        where, _, new = spec.partition("=")
+        name, _, label = where.partition(":")
+        if not (name and label and new):
+            raise SystemExit(f"--rename wants FILE:LABEL=NEW, got {spec!r}")
+        renames[(name, label)] = new
+    groups = load_points(args.results, renames)
     if not groups:
         raise SystemExit("no measured label in the given files")
     tasks, points = max(groups.items(), key=lambda kv: len(kv[1]))

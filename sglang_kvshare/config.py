@@ -82,8 +82,11 @@ class KVShareArgs:
     )
     recompute_head: int = _flag(
         0,
-        "rows at the start of each segment a correction method corrects (an accepted gate) that are "
-        "recomputed in the same forward, attending the agent's own prefix (beyond the papers)",
+        "head rows: of each segment a correction method corrects (an accepted gate), the rows within "
+        "this many tokens after the last token where the request's prompt differs from the source's "
+        "are recomputed in the same forward, attending the agent's own prefix; they count as not "
+        "reused for --kvshare-target-rho; none where the correction becomes a KV leaf (beyond the "
+        "papers; 0: the papers)",
     )
     kv_views: bool = _flag(
         True,

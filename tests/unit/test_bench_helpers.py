@@ -187,8 +187,10 @@ def test_frontier_joins_runs_on_the_same_tasks_by_family(tmp_path):
 
 def test_frontier_cli_writes_table_and_plot(tmp_path):
     a = _fidelity_json(tmp_path / "a.json", ["mmlu/1"], {"fullshared": (1.0, 0.02, 0.9), "kvcmas": (0.86, 0.009, 0.96)})
-    assert fr.main([str(a), "--out", str(tmp_path / "f")]) == 0
+    assert fr.main([str(a), "--out", str(tmp_path / "f"), "--rename", "a.json:kvcmas=kvcmas (paper)"]) == 0
     assert (tmp_path / "f.png").stat().st_size > 0
-    assert "kvcmas" in (tmp_path / "f.md").read_text()
+    assert "| kvcmas (paper) | a.json |" in (tmp_path / "f.md").read_text()
     with pytest.raises(SystemExit):
-        fr.main([str(tmp_path / "a.json"), "--out", str(tmp_path / "g"), "--families", "nothing"])
+        fr.main([str(a), "--out", str(tmp_path / "g"), "--families", "nothing"])
+    with pytest.raises(SystemExit):
+        fr.main([str(a), "--out", str(tmp_path / "g"), "--rename", "kvcmas=x"])
