@@ -81,12 +81,10 @@ class KVShareArgs:
         64, "rows per gate decision with --kvshare-fallback rows (64: measured against 256, docs/results.md)"
     )
     recompute_head: int = _flag(
-        0,
-        "head rows: of each segment a correction method corrects (an accepted gate), the rows within "
-        "this many tokens after the last token where the request's prompt differs from the source's "
-        "are recomputed in the same forward, attending the agent's own prefix; they count as not "
-        "reused for --kvshare-target-rho; none where the correction becomes a KV leaf (beyond the "
-        "papers; 0: the papers)",
+        6,
+        "head rows (ours): of a segment kvcmas(_plus) corrects, the rows within this many tokens after the last "
+        "token where the prompt differs from the source's are recomputed in the forward (not reused for "
+        "--kvshare-target-rho; none on a KV leaf); 6: KL 0.17x fullshared's at rho 0.89, docs/results.md; 0: the papers",
     )
     kv_views: bool = _flag(
         True,

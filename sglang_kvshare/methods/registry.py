@@ -27,6 +27,8 @@ class MethodSpec:
         column kept from its adapted states;
         ``rebase_db``: the same cache, built by an adapter-free twin request that runs in the same
         continuous batches as the adapted turn, forced to its tokens (double batching).
+    head_rows: the server's ``--kvshare-recompute-head`` applies (ours, on KVCMAS; the baselines
+        stay as their papers; a request's ``recompute_head`` applies to every corrector).
     """
 
     name: str
@@ -36,6 +38,7 @@ class MethodSpec:
     chained: bool = True
     selector: str | None = None
     lr_sharing: str | None = None
+    head_rows: bool = False
 
     @property
     def needs_reference(self) -> bool:
@@ -52,8 +55,9 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec(
             "kvcmas",
             True,
-            "KVCMAS: low-rank anchor pools, entropy gate, chained correction along the workflow",
+            "KVCMAS: low-rank anchor pools, entropy gate, chained correction along the workflow (and head rows, ours)",
             corrector="kvcmas",
+            head_rows=True,
         ),
         MethodSpec(
             "kvcmas_nonchained",
@@ -67,6 +71,7 @@ METHODS: dict[str, MethodSpec] = {
             True,
             "KVCMAS with ranks chosen by retained energy and a per-edge systematic delta (ours)",
             corrector="kvcmas_plus",
+            head_rows=True,
         ),
         MethodSpec(
             "kvcomm",

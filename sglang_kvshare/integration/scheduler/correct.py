@@ -126,13 +126,20 @@ def correct_segment(
             record["rejected_blocks"] = sum(not b.accepted for b in result.blocks)
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
-        head = _head(ses, st, req, span, rec, result.corrected_len, not fused and reference is None)
+        k = result.corrected_len
+        # an accepted correction kept as a leaf (True) or a copy (False; None: no leaves here)
+        leaf = _leaf_wanted(ses, st, k) if result.accepted and not fused and reference is None else None
+        head = min(rec.head_rows(ses.recompute_head(st.spec, st.method), req.full_untruncated_fill_ids, span.start), k)
+        if leaf and not result.rejected_rows:
+            head = 0  # head rows would make a leaf a copy
         if result.entropy is not None:  # head rows count as not reused (tuning.TauController)
             controller.observe_gate(result.entropy, num_tokens, head)
         head = head if result.accepted else 0
         rejected = with_head(result.rejected_rows, head)
         if head:
             record["recomputed_head"] = head
+            if leaf is False:
+                record["kept_as"] = "copy"
         if rejected:
             unsupported_reason = unsupported(ses, scheduler)
             if unsupported_reason is None:  # the segment enters the next extend as a job
@@ -152,9 +159,8 @@ def correct_segment(
                 corrected = apply_delta(reference or source, source, result.delta, result.corrected_len)
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
-        k = result.corrected_len
         if not fused and reference is None:  # the source's slots in place, the correction as a leaf
-            viewed = _read_with_leaf(ses, st, record, rec, src, result.delta, k, num_tokens, rope, pool)
+            viewed = _read_with_leaf(ses, st, record, rec, src, result.delta, k, num_tokens, rope, pool, leaf)
             if viewed is not None:
                 return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=viewed)
         # rows past the corrected ones are the source's, unchanged: read in place (KV views)
@@ -185,35 +191,29 @@ def correct_segment(
     return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
 
 
-def _head(ses, st, req, span, rec, k: int, may_leaf: bool) -> int:
-    """Head rows of a correction of ``k`` rows (``SourceRecord.head_rows``); none where it is to be
-    kept as a leaf (head rows make the segment a copy)."""
-    head = min(rec.head_rows(ses.recompute_head(st.spec), req.full_untruncated_fill_ids, span.start), k)
-    return 0 if head and may_leaf and _leaf_wanted(ses, st, k) else head
-
-
-def _leaf_wanted(ses, st, k: int) -> bool:
-    """Whether an accepted correction of ``k`` rows is to be kept as a KV leaf (views with leaves,
-    not copy mode, and leaves asked for or, under ``--kvshare-leaf-policy pressure``, the pool
-    unable to hold the copy without evicting a source read again)."""
+def _leaf_wanted(ses, st, k: int) -> Optional[bool]:
+    """Whether an accepted correction of ``k`` rows is to be kept as a KV leaf: None where leaves
+    do not apply (no views with leaves, copy mode, ``leaves: false``); else True where asked for
+    (``leaves: true``, ``--kvshare-leaf-policy always``) or, under the policy ``pressure``, where
+    the pool cannot hold the copy without evicting a source read again."""
     if ses.views is None or ses.views.leaves is None or st.spec.kv_views is False or st.spec.leaves is False:
-        return False
+        return None
     return st.spec.leaves is True or ses.args.leaf_policy != "pressure" or not ses.tree.copies_fit(k)
 
 
-def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool) -> Optional[torch.Tensor]:
+def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool, leaf) -> Optional[torch.Tensor]:
     """An accepted correction of rows ``:k`` of ``n`` kept as KV view + leaf (``cache/leaves.py``):
     the request reads the source's slots, which it returns, with the correction (and any leaf the
     source agent reads them with) as a rank ``--kvshare-leaf-rank`` leaf. None where it cannot or
     should not: leaves off, copy mode or no leaves asked for, the pool holds the copy without
     evicting a source read again (``--kvshare-leaf-policy pressure``), the agent already has a
     leaf on these slots, or the segment's keys do not carry RoPE at one offset from its rows."""
-    views = ses.views
-    leaves = None if views is None else views.leaves
-    if leaves is None or not _leaf_wanted(ses, st, k):
-        if leaves is not None and st.spec.kv_views is not False and st.spec.leaves is not False:
+    if not leaf:  # ``_leaf_wanted``
+        if leaf is False:
             record["kept_as"] = "copy"
         return None
+    views = ses.views
+    leaves = views.leaves
     slots = src[:n]
     if leaves.has(st.spec.agent, slots):
         return None

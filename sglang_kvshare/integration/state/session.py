@@ -145,9 +145,12 @@ class Session:
             return None
         return spec.fallback_block or self.args.fallback_block
 
-    def recompute_head(self, spec) -> int:
-        """Rows at the start of an accepted correction recomputed (annotation, else the server's)."""
-        return self.args.recompute_head if spec.recompute_head is None else spec.recompute_head
+    def recompute_head(self, spec, method) -> int:
+        """The head-row window of a request's accepted corrections: its annotation's, else the
+        server's for the methods it applies to (``MethodSpec.head_rows``), else 0."""
+        if spec.recompute_head is not None:
+            return spec.recompute_head
+        return self.args.recompute_head if method.head_rows else 0
 
     def tau_controller(self, name: str, target_rho: Optional[float] = None):
         """The gate threshold controller of method ``name`` for a reuse target (None: the
