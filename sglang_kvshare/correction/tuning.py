@@ -6,10 +6,11 @@ instead, and guards quality with measured errors.
 
 - ``target_rho``: tau is the token-weighted ``target_rho`` quantile of the gate entropies of the
   last ``window`` gated segments, so about that fraction of the gated shared tokens is accepted
-  (the least ambiguous matches first). Rows an accepted segment recomputes anyway (its head,
-  ``--kvshare-recompute-head``) count as not reused, so the controller accepts more segments to
-  hold the target. Segments that could not be gated (fewer than two anchors) are outside its reach. Before the first gate, every correction is accepted (tau 1):
-  a fresh server reuses from the first segment with two anchors, and the window fills as it goes.
+  (the least ambiguous matches first). The rows an accepted segment recomputed anyway (its head
+  rows, ``--kvshare-recompute-head``) count as not reused, so the controller accepts more segments
+  to hold the target. Segments that could not be gated (fewer than two anchors) are outside its
+  reach. Before the first gate, every correction is accepted (tau 1): a fresh server reuses from
+  the first segment with two anchors, and the window fills as it goes.
 - Error guard (the shadow-dense monitor feeds it): a measured relative KV error above
   ``max_error`` caps tau below the entropy of the correction that erred (x ``backoff``); each
   measurement within bound lets the cap recover by ``recovery`` of its distance to 1.

@@ -29,8 +29,7 @@ def pool():
 
 @pytest.mark.parametrize("chained", [True, False])
 def test_fused_write_equals_materialised_write(pool, chained):
-    from sglang_kvshare.integration.cache.kv_io import write_fused
-    from sglang_kvshare.integration.cache.kv_io import gather_canonical, write_canonical
+    from sglang_kvshare.integration.cache.kv_io import gather_canonical, write_canonical, write_fused
 
     rope = RopeSpec(inv_freq_for(HEAD_DIM, 10000.0), HEAD_DIM, True)
     src_idx, src_start = torch.arange(1, 1 + N), 40
