@@ -228,16 +228,6 @@ def check_pair(a: SegmentKV, b: SegmentKV, what: str) -> None:
         raise ValueError(f"{what}: shapes differ, {tuple(a.k.shape)} vs {tuple(b.k.shape)}")
 
 
-def with_head(rows: tuple[tuple[int, int], ...], head: int) -> tuple[tuple[int, int], ...]:
-    """Row ranges ``rows`` (sorted, disjoint) and ``[0, head)``, merged."""
-    if head <= 0:
-        return rows
-    rest = [(lo, hi) for lo, hi in rows if hi > head]
-    if rest and rest[0][0] <= head:
-        return ((0, rest[0][1]),) + tuple(rest[1:])
-    return ((0, head),) + tuple(rest)
-
-
 def relative_error(approx: SegmentKV, exact: SegmentKV) -> float:
     """||approx - exact||_F / ||exact||_F over keys and values together."""
     num = (approx.k.float() - exact.k.float()).square().sum() + (approx.v.float() - exact.v.float()).square().sum()

@@ -63,7 +63,12 @@ def test_kvcmas_falls_back_then_corrects_and_chains(tiny_server):
     for meta in (critic, final):
         missing = sum(s["tokens"] - s.get("injected_tokens", 0) for s in meta["segments"] if s["mode"] == "corrected")
         fallback = sum(s["tokens"] for s in meta["segments"] if s["mode"] == "dense_fallback")
-        assert meta["computed_tokens"] == private_tokens(meta) + missing + fallback
+        # a segment within the head rows (the solver's short answer) is computed
+        within = sum(s["tokens"] for s in meta["segments"] if s["shared"] and s["mode"] == "computed")
+        assert all(
+            s["recomputed_head"] == s["tokens"] for s in meta["segments"] if s["shared"] and s["mode"] == "computed"
+        )
+        assert meta["computed_tokens"] == private_tokens(meta) + missing + fallback + within, meta["segments"]
 
 
 def test_a_strict_gate_rejects_and_computes_densely(tiny_server):
@@ -187,9 +192,9 @@ def test_partial_fallback_recomputes_only_the_rejected_blocks(tiny_server):
 
 def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
     """``recompute_head``: an accepted correction's first rows (those near where the contexts
-    diverge) are recomputed in the forward, attending the agent's own prefix, so their K/V are a
-    dense prefill's (the correction's are not); the other rows keep the correction; the request
-    is charged the recomputed rows."""
+    diverge) are computed by the chunk before it, attending the agent's own prefix, so their K/V
+    are a dense prefill's (the correction's are not); the other rows keep the correction; the
+    request is charged the recomputed rows."""
     slot, agents, head = "q-head", ("solver", "critic"), 8
     for seed in (61, 62):
         _workflow(tiny_server, f"head-warm-{seed}", "kvcmas", _question(seed), agents, slot, tau=1.0)
@@ -206,6 +211,7 @@ def test_recomputed_head_rows_are_the_dense_rows(tiny_server):
     # (SourceRecord.head_rows): the agents' prompts end alike before the question
     assert q["mode"] == "corrected" and 0 < q["recomputed_head"] < head, json.dumps(q)
     assert q["recomputed_rows"] == q["recomputed_head"]
+    assert "observed" not in q  # computed by the chunk before the segment, not a recompute job
     head = q["recomputed_head"]
     assert q["injected_tokens"] == q["tokens"] - head
     _workflow(tiny_server, "head-dense", "nonshared", _question(63), agents, slot)

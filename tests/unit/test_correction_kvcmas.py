@@ -256,14 +256,3 @@ def test_a_segment_whose_blocks_are_all_rejected_is_rejected():
         c.correct("q", "a0", "a1", src, block_size=0)
     r = create_corrector("kvcmas").correct("q", "a0", "a1", src, block_size=4)
     assert r.reason == "few_anchors" and r.blocks == ()
-
-
-def test_head_rows_join_the_rejected_blocks():
-    from sglang_kvshare.correction.base import with_head
-
-    assert with_head(((4, 8),), 0) == ((4, 8),)
-    assert with_head((), 16) == ((0, 16),)
-    assert with_head(((64, 128),), 16) == ((0, 16), (64, 128))
-    assert with_head(((16, 32), (64, 96)), 16) == ((0, 32), (64, 96))  # adjacent: one range
-    assert with_head(((0, 8), (8, 24), (40, 48)), 16) == ((0, 24), (40, 48))  # inside and across
-    assert with_head(((0, 64),), 16) == ((0, 64),)

@@ -155,3 +155,28 @@ def test_head_rows_count_from_where_the_contexts_diverge():
     assert rec.head_rows(6, (1, 2, 3, 4, 5, 7, 8, 9), 5) == 0  # the same path from position 0
     assert rec.head_rows(6, (9, 2, 3, 4, 5, 7, 8, 9), 5) == 2  # only the first token differs
     assert rec.head_rows(6, (4, 5, 7, 8, 9), 2) == 4  # a shorter prefix: its start diverges
+
+
+def test_sharing_starts_past_the_head_rows():
+    """A correction method's chunk stops past a segment's head rows (the chunk computes them
+    densely), counted from where the prompt and the source's path diverge; other methods and
+    a zero window stop at the segment's start."""
+    from sglang_kvshare.integration.state.request import ReqShareState
+    from sglang_kvshare.methods import get_method
+
+    registry = SourceRegistry()
+    registry.record("wf", "q", SourceRecord("solver", "ns-s", (1, 2, 3, 4, 5, 7, 8, 9), 5, 8))
+    tokens = (6, 6, 4, 5, 7, 8, 9, 0)  # "4 5" precede the slot alike
+    spans = (Span(0, 4), Span(4, 7, "q"), Span(7, 8))
+
+    def state(method: str, window: int) -> ReqShareState:
+        spec = WireSpec(workflow="wf", agent="critic", method=method, spans=spans)
+        return ReqShareState(spec=spec, method=get_method(method), prompt_len=len(tokens), head_window=window)
+
+    assert state("kvcmas", 3).next_cut(registry, after=0, tokens=tokens) == 4 + 1  # 3 - 2 alike
+    assert state("kvcmas", 6).next_cut(registry, after=0, tokens=tokens) == 7  # capped at the segment's end
+    assert state("kvcmas", 0).next_cut(registry, after=0, tokens=tokens) == 4
+    assert state("fullshared", 0).next_cut(registry, after=0, tokens=tokens) == 4
+    st = state("kvcmas", 3)
+    assert st.next_cut(registry, after=5, tokens=tokens) is None  # past where its sharing starts
+    assert st.heads == {1: 1}

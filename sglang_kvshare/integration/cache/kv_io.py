@@ -171,19 +171,23 @@ def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
 
 
 @torch.no_grad()
-def write_fused(pool, dst, rows, positions, delta, corrected_len: int, start: int, rope: RopeSpec) -> None:
-    """``kernels.kv_correct`` per layer: slot ``rows[t]`` (cached at position ``positions[t]``)
-    moved to ``start + t``, plus ``delta`` (canonical, rows ``:corrected_len``), into ``dst[t]``.
-    The dense delta enters the kernel as A = delta, B = I."""
+def write_fused(
+    pool, dst, rows, positions, delta, corrected_len: int, start: int, rope: RopeSpec, first: int = 0
+) -> None:
+    """``kernels.kv_correct`` per layer for the segment's rows ``first, first + 1, ...``: slot
+    ``rows[t]`` (cached at position ``positions[t]``) moved to ``start + first + t``, plus
+    ``delta`` (canonical, rows ``:corrected_len``), into ``dst[t]``. The dense delta enters the
+    kernel as A = delta, B = I."""
     n = len(dst)
     layers = list(kv_layers(pool))
     H, D = layers[0][0].shape[1:]
     eye = torch.eye(H * D, device=layers[0][0].device)
     src, dst = rows.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
-    shift = (start + torch.arange(n, device=positions.device) - positions).to(torch.int64)
+    shift = (start + first + torch.arange(n, device=positions.device) - positions).to(torch.int64)
+    m = max(corrected_len - first, 0)  # corrected rows among ours
     for layer, (k_buf, v_buf) in enumerate(layers):
         dk = torch.zeros(n, H * D, device=k_buf.device)
         dv = torch.zeros_like(dk)
-        dk[:corrected_len] = delta.k[layer, :corrected_len]
-        dv[:corrected_len] = delta.v[layer, :corrected_len]
+        dk[:m] = delta.k[layer, first:corrected_len]
+        dv[:m] = delta.v[layer, first:corrected_len]
         kv_correct(k_buf, v_buf, src, dst, shift, rope, LowRank(dk, eye), LowRank(dv, eye), start)

@@ -14,6 +14,8 @@ Between two prefill chunks, for a shared segment with a source cache:
    with some accepted blocks enters the next extend as a recompute job (``recompute_jobs.rows_job``)
    that keeps the corrected rows and recomputes the rejected ones in every layer, attending the
    rows before them; its K/V are then observed like a dense fallback's, so the pools learn.
+   Head rows (``--kvshare-recompute-head``, ``ReqShareState.share_at``): the chunk before the
+   segment computed its first rows densely; only the rows after them are corrected and written.
 
 On CUDA the write is the fused ``kernels.kv_correct`` (gather, re-align, add the delta, write);
 on the CPU the corrected cache is materialised and written with one rotation for all layers.
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 from sglang_kvshare.correction import SegmentKV
-from sglang_kvshare.correction.base import apply_delta, relative_error, with_head
+from sglang_kvshare.correction.base import apply_delta, relative_error
 from sglang_kvshare.integration.cache.kv_io import (
     InjectResult,
     alloc_slots,
@@ -127,19 +129,12 @@ def correct_segment(
         st.kv_bytes_per_token = kv_bytes_per_token(pool)
         st.corrections[index] = record
         k = result.corrected_len
-        # an accepted correction kept as a leaf (True) or a copy (False; None: no leaves here)
-        leaf = _leaf_wanted(ses, st, k) if result.accepted and not fused and reference is None else None
-        head = min(rec.head_rows(ses.recompute_head(st.spec, st.method), req.full_untruncated_fill_ids, span.start), k)
-        if leaf and not result.rejected_rows:
-            head = 0  # head rows would make a leaf a copy
+        head = st.heads.get(index, 0)  # rows the chunk before computed densely (``share_at``)
         if result.entropy is not None:  # head rows count as not reused (tuning.TauController)
             controller.observe_gate(result.entropy, num_tokens, head)
-        head = head if result.accepted else 0
-        rejected = with_head(result.rejected_rows, head)
         if head:
-            record["recomputed_head"] = head
-            if leaf is False:
-                record["kept_as"] = "copy"
+            record["recomputed_head"] = record["recomputed_rows"] = head
+        rejected = tuple((max(lo, head), hi) for lo, hi in result.rejected_rows if hi > head)
         if rejected:
             unsupported_reason = unsupported(ses, scheduler)
             if unsupported_reason is None:  # the segment enters the next extend as a job
@@ -160,10 +155,11 @@ def correct_segment(
             st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens, corrected, result.entropy)
             return None
         if not fused and reference is None:  # the source's slots in place, the correction as a leaf
-            viewed = _read_with_leaf(ses, st, record, rec, src, result.delta, k, num_tokens, rope, pool, leaf)
+            viewed = _read_with_leaf(ses, st, record, rec, src, result.delta, head, k, num_tokens, rope, pool)
             if viewed is not None:
-                return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=viewed)
+                return InjectResult(num_tokens=num_tokens - head, source_agent=rec.agent, dst=viewed)
         # rows past the corrected ones are the source's, unchanged: read in place (KV views)
+        k = max(k, head)
         in_place = (
             num_tokens - k
             if not fused
@@ -171,7 +167,8 @@ def correct_segment(
             and ses.views.readable(rec.agent, st.spec, src[k:num_tokens])
             else 0
         )
-        dst = alloc_slots(scheduler, req, span.start, num_tokens - in_place)
+        at = span.start + head
+        dst = alloc_slots(scheduler, req, at, num_tokens - head - in_place)
         if dst is None:
             return None
         if in_place:
@@ -181,14 +178,16 @@ def correct_segment(
             dst = torch.cat([dst.to(viewed.dtype), viewed])
         if fused:
             base_idx, base_start = (ref, ref_rec.start) if ref is not None else (src, rec.start)
-            rows = torch.cat([base_idx[:k], src[k:num_tokens]])
-            ar = torch.arange(num_tokens, device=rows.device)
+            rows = torch.cat([base_idx[head:k], src[k:num_tokens]])
+            ar = torch.arange(head, num_tokens, device=rows.device)
             positions = torch.where(ar < k, base_start + ar, rec.start + ar)
-            write_fused(pool, dst, rows, positions, result.delta, k, span.start, rope)
+            write_fused(pool, dst, rows, positions, result.delta, result.corrected_len, span.start, rope, first=head)
         else:  # the gathered source is ours: correct it in place and write the rows not viewed
-            kv = apply_delta(reference or source, source, result.delta, k, inplace=True)
-            write_canonical(pool, dst[: num_tokens - in_place], kv, span.start, rope)
-    return InjectResult(num_tokens=num_tokens, source_agent=rec.agent, dst=dst)
+            kv = apply_delta(reference or source, source, result.delta, result.corrected_len, inplace=True)
+            rest = slice(head, num_tokens - in_place)  # canonical rows: moved by the segment's start
+            kv = SegmentKV(kv.k[:, rest], kv.v[:, rest])
+            write_canonical(pool, dst[: num_tokens - head - in_place], kv, span.start, rope)
+    return InjectResult(num_tokens=num_tokens - head, source_agent=rec.agent, dst=dst)
 
 
 def _leaf_wanted(ses, st, k: int) -> Optional[bool]:
@@ -201,57 +200,61 @@ def _leaf_wanted(ses, st, k: int) -> Optional[bool]:
     return st.spec.leaves is True or ses.args.leaf_policy != "pressure" or not ses.tree.copies_fit(k)
 
 
-def _read_with_leaf(ses, st, record, rec, src, delta, k: int, n: int, rope, pool, leaf) -> Optional[torch.Tensor]:
-    """An accepted correction of rows ``:k`` of ``n`` kept as KV view + leaf (``cache/leaves.py``):
-    the request reads the source's slots, which it returns, with the correction (and any leaf the
-    source agent reads them with) as a rank ``--kvshare-leaf-rank`` leaf. None where it cannot or
-    should not: leaves off, copy mode or no leaves asked for, the pool holds the copy without
-    evicting a source read again (``--kvshare-leaf-policy pressure``), the agent already has a
-    leaf on these slots, or the segment's keys do not carry RoPE at one offset from its rows."""
-    if not leaf:  # ``_leaf_wanted``
+def _read_with_leaf(ses, st, record, rec, src, delta, head: int, k: int, n: int, rope, pool) -> Optional[torch.Tensor]:
+    """An accepted correction of rows ``head:k`` of ``n`` (rows before ``head`` were computed)
+    kept as KV view + leaf (``cache/leaves.py``): the request reads the source's slots, which it
+    returns, with the correction (and any leaf the source agent reads them with) as a rank
+    ``--kvshare-leaf-rank`` leaf. None where it cannot or should not: leaves off, copy mode or
+    no leaves asked for, the pool holds the copy without evicting a source read again
+    (``--kvshare-leaf-policy pressure``, ``_leaf_wanted``), the agent already has a leaf on these
+    slots, or the segment's keys do not carry RoPE at one offset from its rows."""
+    leaf = _leaf_wanted(ses, st, k - head)
+    if not leaf:
         if leaf is False:
             record["kept_as"] = "copy"
         return None
     views = ses.views
     leaves = views.leaves
-    slots = src[:n]
+    slots = src[head:n]
     if leaves.has(st.spec.agent, slots):
         return None
-    p0 = uniform_offset(views.rope_pos[slots], rec.start)
+    p0 = uniform_offset(views.rope_pos[src[:n]], rec.start)  # RoPE position of canonical row 0
     if p0 is None:
         return None
     k_buf = next(kv_layers(pool))[0]
     head_dim = k_buf.shape[-1]
     inherited = leaves.has(rec.agent, slots)
-    rows = n if inherited else k
+    rows = n - head if inherited else max(k - head, 0)
     if rows:
-        dk, dv = delta.k[:, :k], delta.v[:, :k]
+        dk, dv = delta.k[:, head:k], delta.v[:, head:k]
         if inherited:  # the source agent's leaf (turned to the canonical frame) and this correction on top
-            dk, dv = (torch.cat([d, d.new_zeros(d.shape[0], n - k, d.shape[2])], 1) for d in (dk, dv))
+            dk, dv = (torch.cat([d, d.new_zeros(d.shape[0], rows - d.shape[1], d.shape[2])], 1) for d in (dk, dv))
             leaves.add_to(rec.agent, slots, dk, dv, key_shift=-p0, rope=rope, head_dim=head_dim)
         fk, fv = leaf_factors(dk, dv, p0, views.leaf_rank, rope, head_dim, k_buf.dtype)
         leaves.attach(st.spec.agent, slots[:rows], fk, fv)
         record.update(kept_as="leaf", leaf_rank=fk.rank, leaf_bytes=fk.nbytes + fv.nbytes)
-    return views.read_in_place(st, slots, torch.arange(rec.start, rec.start + n), rec.agent)
+    return views.read_in_place(st, slots, torch.arange(rec.start + head, rec.start + n), rec.agent)
 
 
 def _recompute_rows(ses, st, index, span, rec, source, reference, result, rows, num_tokens, rope, pool) -> None:
-    """Partial fallback and head rows: the corrected segment enters the next extend as a recompute
-    job whose row ranges ``rows`` (rejected blocks, ``--kvshare-recompute-head``) run every layer,
-    attending the corrected rows before them. Once the request
-    is released its K/V (corrected and recomputed rows) are observed like a dense fallback's,
-    with probability the recomputed fraction: the observer (a factorisation of the whole
-    segment) then runs about as often per recomputed row as under the dense fallback."""
+    """Partial fallback: the corrected segment enters the next extend as a recompute job whose
+    row ranges ``rows`` (the rejected blocks) run every layer, attending the corrected rows
+    before them (rows before the head, ``st.heads``, were computed by the chunk before and are
+    not in the extend). Once the request is released its K/V (corrected and recomputed rows)
+    are observed like a dense fallback's, with probability the recomputed fraction: the observer
+    (a factorisation of the whole segment) then runs about as often per recomputed row as under
+    the dense fallback."""
     kv = apply_delta(reference or source, source, result.delta, result.corrected_len)
     head_dim = next(kv_layers(pool))[0].shape[-1]
     job = rows_job(span.start, SegmentKV(kv.k[:, :num_tokens], kv.v[:, :num_tokens]), rows, rope, head_dim)
+    head = st.heads.get(index, 0)
     recomputed = sum(hi - lo for lo, hi in rows)
-    st.corrections[index]["recomputed_rows"] = recomputed
+    st.corrections[index]["recomputed_rows"] = head + recomputed
     st.jobs[index] = job
     st.modes[index] = "corrected"
-    st.injected[index] = num_tokens - recomputed
-    st.reused_in_extend += num_tokens - recomputed
-    observed = ses.rng.random() < recomputed / num_tokens
+    st.injected[index] = num_tokens - head - recomputed
+    st.reused_in_extend += num_tokens - head - recomputed
+    observed = ses.rng.random() < (head + recomputed) / num_tokens
     st.corrections[index]["observed"] = observed
     if observed:
         st.pending[index] = PendingObservation(rec.agent, source, reference, num_tokens)

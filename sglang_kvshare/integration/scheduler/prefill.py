@@ -7,6 +7,9 @@
   another chunked request is unfinished (a chunk cut at a segment leaves chunk budget unused).
 - ``PrefillAdder.add_one_req``: after a cut, no further request joins the batch.
 - ``PrefillAdder.add_chunked_req``: each later chunk stops at the next segment to inject.
+
+A "segment start" here is where its sharing starts (``ReqShareState.share_at``): a correction
+method's head rows (``--kvshare-recompute-head``) are computed densely by the chunk before.
 - ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
   segment starting at its prefix is shared (``sharing.share_pending``: injected, corrected or
   planned for recomputation, so the adder's memory budget sees those slots), and the next one if
@@ -34,7 +37,7 @@ def max_prefix_len(ses, original, req, input_len):
     st = ses.lookup(req)
     if st is None or req.kv.holds_kv:
         return limit
-    cut = st.next_cut(ses.registry, after=0)
+    cut = st.next_cut(ses.registry, after=0, tokens=req.origin_input_ids)
     if cut is not None:
         limit = min(limit, cut - 1)
     if st.method.lr_sharing == "baseshared" and req.lora_id is not None:
@@ -62,7 +65,7 @@ def select_admission(ses, original, adder, req, **kwargs):
         return admission
     if st.first_prefix_len is None:
         st.first_prefix_len = admission.prefix_len
-    cut = st.next_cut(ses.registry, after=admission.prefix_len)
+    cut = st.next_cut(ses.registry, after=admission.prefix_len, tokens=req.origin_input_ids)
     if cut is None or cut >= admission.prefix_len + admission.extend_len:
         return admission
     if kwargs.get("has_chunked_req"):
@@ -84,7 +87,7 @@ def add_one_req(ses, original, adder, req, *args, **kwargs):
 def add_chunked_req(ses, original, adder, req):
     st = ses.lookup(req)
     if st is not None:
-        cut = st.next_cut(ses.registry, after=req.prefix_len)
+        cut = st.next_cut(ses.registry, after=req.prefix_len, tokens=req.origin_input_ids)
         if cut is not None:
             room = cut - req.prefix_len
             limit = adder.chunked_req_limit

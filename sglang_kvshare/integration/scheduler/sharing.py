@@ -3,9 +3,10 @@ call, behind one interface.
 
 - ``admit(ses, req, st)``: once, when an annotated request enters the scheduler's queue;
 - ``share(ses, scheduler, req, st, index, span, rec, n, rope)``: between two prefill chunks, for
-  the shared segment that starts at the request's prefix and has source ``rec`` covering ``n``
-  tokens; returns the ``InjectResult`` to commit as prefix, or None (the segment enters the next
-  extend: computed, or recomputed in part);
+  the shared segment whose sharing starts at the request's prefix (its start, or past the head
+  rows ``st.heads[index]`` the chunk before computed) and has source ``rec`` covering ``n``
+  tokens; returns the ``InjectResult`` of the rows from there to commit as prefix, or None (the
+  segment enters the next extend: computed, or recomputed in part);
 - ``release(ses, tree, req, st, owned)``: when a finished request's KV (``owned`` tokens) is in
   the tree, before its slots become sources.
 
@@ -50,6 +51,9 @@ class Inject(Family):
 
 class Correct(Family):
     name = "correct"
+
+    def admit(self, ses, req, st) -> None:
+        st.head_window = ses.recompute_head(st.spec, st.method)
 
     def share(self, ses, scheduler, req, st, index, span, rec, n, rope):
         corrector = ses.corrector(st.method.corrector)
@@ -105,21 +109,26 @@ def family_of(method: MethodSpec) -> Family:
 
 
 def share_pending(ses, scheduler, req, st, rope) -> Optional[int]:
-    """Share the segment of ``req`` that starts at its prefix (the one call site of ``share``);
-    returns its span index, or None when no shared segment with a source starts there."""
+    """Share the segment of ``req`` whose sharing starts at its prefix (``share_at``: its start,
+    or past its head rows; the one call site of ``share``); returns its span index, or None when
+    no shared segment with a source starts there."""
     for i, span in st.injectable_starts(ses.registry):
-        if span.start != req.prefix_len:
+        at = st.share_at(ses.registry, i, span, req.origin_input_ids)
+        if at != req.prefix_len:
             continue
         st.decided.add(i)
         rec = st.source(ses.registry, span.slot)
         n = 0 if rec is None else injectable_len(req, span, rec)
-        result = family_of(st.method).share(ses, scheduler, req, st, i, span, rec, n, rope) if n > 0 else None
+        head = at - span.start
+        result = family_of(st.method).share(ses, scheduler, req, st, i, span, rec, n, rope) if n > head else None
+        if head and n and n <= head:  # the source's rows all lie in the head: computed
+            st.corrections[i] = {"recomputed_head": head}
         if rec is not None:
             st.sources[i] = rec.agent  # the record names it even when the segment was computed
         if result is None:
             st.modes.setdefault(i, "dense_fallback" if i in st.pending else "computed")
         else:
-            commit_injection(scheduler, req, span.start, result.dst)
+            commit_injection(scheduler, req, at, result.dst)
             st.modes[i] = "corrected" if st.method.corrector else "injected"
             st.injected[i] = result.num_tokens
             st.sources[i] = result.source_agent

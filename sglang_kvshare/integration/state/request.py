@@ -55,6 +55,10 @@ class ReqShareState:
     reused_in_extend: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     ranged: dict[str, SourceRecord] = field(default_factory=dict)  # slot -> its sequence range, once found
+    # head rows (``--kvshare-recompute-head``): the window of a correction method, and per span
+    # index the rows the chunk before its sharing computes densely (fixed when first asked)
+    head_window: int = 0
+    heads: dict[int, int] = field(default_factory=dict)
 
     def source(self, registry: SourceRegistry, slot: str) -> Optional[SourceRecord]:
         """The cache to start from for ``slot``: the named or most recent agent's, or, for
@@ -86,9 +90,21 @@ class ReqShareState:
             if s.shared and s.start >= 1 and i not in self.decided and self.source(registry, s.slot)
         ]
 
-    def next_cut(self, registry: SourceRegistry, after: int) -> Optional[int]:
-        """First position > ``after`` where a PH span to inject starts."""
-        starts = [s.start for _, s in self.injectable_starts(registry) if s.start > after]
+    def share_at(self, registry: SourceRegistry, index: int, span: Span, tokens) -> int:
+        """Where sharing ``span`` (injectable, ``tokens`` the prompt) starts: its start, or past
+        its head rows, which the chunk before it computes densely (``head_window`` tokens after
+        the point where the prompt and the source's path diverge, ``SourceRecord.head_rows``)."""
+        if index not in self.heads:
+            rec = self.source(registry, span.slot) if self.head_window else None
+            head = 0 if rec is None else rec.head_rows(self.head_window, tokens, span.start)
+            self.heads[index] = min(head, len(span))
+        return span.start + self.heads[index]
+
+    def next_cut(self, registry: SourceRegistry, after: int, tokens) -> Optional[int]:
+        """First position > ``after`` where sharing a PH span starts (``share_at``)."""
+        starts = [
+            at for i, s in self.injectable_starts(registry) if (at := self.share_at(registry, i, s, tokens)) > after
+        ]
         return min(starts) if starts else None
 
     def cached_slots(self, owned: int) -> list[tuple[str, int, int]]:
