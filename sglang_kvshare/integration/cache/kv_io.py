@@ -40,7 +40,8 @@ def stack_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of slots ``idx`` in every layer, stacked along ``dim`` (1: ``[n, L, H, D]``,
     0: ``[L, n, H, D]``), in ``dtype`` (default: the pool's). Each layer's rows are written
-    straight into the result (converted on the way), not stacked from per-layer copies."""
+    straight into the result (``index_select`` into it where the layout and dtype allow:
+    advanced indexing and a copy measured 5x slower on fragmented slots of a 2K segment)."""
     layers = list(kv_layers(pool))
 
     def empty(buf):
@@ -49,9 +50,12 @@ def stack_kv(
         return torch.empty(shape, dtype=dtype or buf.dtype, device=buf.device)
 
     k, v = empty(layers[0][0]), empty(layers[0][1])
-    for layer, (k_buf, v_buf) in enumerate(layers):
-        k.select(dim, layer).copy_(k_buf[idx])
-        v.select(dim, layer).copy_(v_buf[idx])
+    for layer, bufs in enumerate(layers):
+        for out, buf in zip((k.select(dim, layer), v.select(dim, layer)), bufs):
+            if out.is_contiguous() and out.dtype == buf.dtype:
+                torch.index_select(buf, 0, idx, out=out)
+            else:
+                out.copy_(buf[idx])
     return k, v
 
 
@@ -118,8 +122,8 @@ def write_layers(pool, dst: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """Write keys and values (``[n, L, H, D]``, or ``[L, n, H, D]`` with ``dim=0``) into slots
     ``dst`` of every layer."""
     for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
-        k_buf[dst] = keys.select(dim, layer).to(k_buf.dtype)
-        v_buf[dst] = values.select(dim, layer).to(v_buf.dtype)
+        k_buf.index_copy_(0, dst, keys.select(dim, layer).to(k_buf.dtype))
+        v_buf.index_copy_(0, dst, values.select(dim, layer).to(v_buf.dtype))
 
 
 @torch.no_grad()
@@ -131,8 +135,8 @@ def write_canonical(pool, dst: torch.Tensor, kv: SegmentKV, start: int, rope: Ro
     for layer, (k_buf, v_buf) in enumerate(kv_layers(pool)):
         H, D = k_buf.shape[1:]
         k = kv.k[layer, :n].to(torch.float32, copy=True).view(n, H, D)
-        k_buf[dst] = rotate_keys_(k, start, rope).to(k_buf.dtype)
-        v_buf[dst] = kv.v[layer, :n].view(n, H, D).to(v_buf.dtype)
+        k_buf.index_copy_(0, dst, rotate_keys_(k, start, rope).to(k_buf.dtype))
+        v_buf.index_copy_(0, dst, kv.v[layer, :n].reshape(n, H, D).to(v_buf.dtype))
 
 
 def kv_bytes_per_token(pool) -> int:
