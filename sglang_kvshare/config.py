@@ -83,8 +83,8 @@ class KVShareArgs:
     recompute_head: int = _flag(
         6,
         "head rows (ours): of a segment kvcmas(_plus) corrects, the rows within this many tokens after the last "
-        "token where the prompt differs from the source's are recomputed in the forward (not reused for "
-        "--kvshare-target-rho; none on a KV leaf); 6: KL 0.17x fullshared's at rho 0.89, docs/results.md; 0: the papers",
+        "token where the prompt differs from the source's are computed by the chunk before it (not reused for "
+        "--kvshare-target-rho); 6: KL 0.17x fullshared's at rho 0.89, docs/results.md; 0: the papers",
     )
     kv_views: bool = _flag(
         True,
