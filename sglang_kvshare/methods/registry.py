@@ -153,8 +153,8 @@ def method_variant(label: str) -> tuple[str, dict]:
     ``fallback_block: 64``; ``+rows``: the server's block size), ``+rho0.5``: the gate's reuse
     target for the request (``target_rho``), ``+copy``: later agents copy shared segments
     instead of reading them in place (``kv_views: false``), ``+leaf``: every accepted
-    correction a KV leaf, whatever the pool (``leaves: true``), or ``+head16``: the first 16 rows
-    of an accepted correction recomputed (``recompute_head: 16``). Plain method names map to themselves;
+    correction a KV leaf, whatever the pool (``leaves: true``), or ``+head16``: the head-row
+    window of an accepted correction (``recompute_head: 16``). Plain method names map to themselves;
     variants combine (``kvcmas+dense+rho0.5``)."""
     name, *variants = label.split("+")
     get_method(name)
