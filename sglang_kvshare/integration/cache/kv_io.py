@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 
 import torch
 from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend, alloc_token_slots
+from sglang.srt.mem_cache.common import evict_from_tree_cache
 
 from sglang_kvshare.correction import SegmentKV
 from sglang_kvshare.kernels.kv_correct import kv_correct
@@ -158,11 +159,13 @@ def commit_injection(scheduler, req, start: int, dst: torch.Tensor) -> None:
 
 
 def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
-    """``n`` KV slots continuing the request's row at ``start`` (None when the pool is full)."""
+    """``n`` KV slots continuing the request's row at ``start`` (None when the pool is full):
+    one contiguous run where the free slots hold one (``contiguous_slots``), else ascending."""
     tree = scheduler.tree_cache
     try:
         if scheduler.page_size == 1:
-            return alloc_token_slots(tree, n)
+            run = contiguous_slots(tree, n)
+            return run if run is not None else alloc_token_slots(tree, n).sort().values
         row = req.kv.req_pool_idx
         device = scheduler.req_to_token_pool.device
         last = scheduler.req_to_token_pool.req_to_token[row, start - 1].reshape(1).to(torch.int64)
@@ -172,6 +175,41 @@ def alloc_slots(scheduler, req, start: int, n: int) -> Optional[torch.Tensor]:
     except RuntimeError as e:  # out of KV memory: the segment is computed instead
         logger.warning("kvshare: no KV slots for injection (%s); computing instead", e)
         return None
+
+
+def keep_free_slots_sorted(allocator) -> None:
+    """Make a token allocator keep its free list sorted: SGLang's ``need_sort`` (as for
+    disaggregation: freed slots wait in ``release_pages`` and are merged into the free list,
+    sorted, when it runs short), and the free list sorted once now. Other allocators (paged,
+    hybrid) stay as they are."""
+    if allocator.need_sort or allocator.page_size != 1 or not hasattr(allocator, "release_pages"):
+        return
+    allocator.need_sort = True
+    allocator.free_pages = allocator.free_pages.sort().values
+    allocator.merge_and_sort_free()
+
+
+def contiguous_slots(tree, n: int) -> Optional[torch.Tensor]:
+    """``n`` consecutive free KV slots, the first such run of the sorted free list (taken out of
+    it, after SGLang's eviction made room for ``n``), or None: the allocator does not keep its
+    free list sorted (``keep_free_slots_sorted``) or no run is that long. Attention reads a
+    run of slots in place and gathers the rest (``kernels.offset_attention``): a 2K-token copy
+    taken from the front of a free list in the order evictions left it was measured in many
+    short runs, its decode attention several times fullshared's."""
+    allocator = tree.token_to_kv_pool_allocator
+    if n <= 0 or not getattr(allocator, "need_sort", False) or allocator.page_size != 1:
+        return None
+    evict_from_tree_cache(tree, n)
+    allocator.merge_and_sort_free()
+    free = allocator.free_pages
+    if len(free) < n:
+        return None
+    hits = torch.nonzero(free[n - 1 :] - free[: len(free) - n + 1] == n - 1)  # sorted and unique
+    if len(hits) == 0:
+        return None
+    a = int(hits[0])
+    allocator.free_pages = torch.cat((free[:a], free[a + n :]))
+    return free[a : a + n]
 
 
 @torch.no_grad()

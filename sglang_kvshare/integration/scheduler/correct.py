@@ -171,6 +171,7 @@ def correct_segment(
         dst = alloc_slots(scheduler, req, at, num_tokens - head - in_place)
         if dst is None:
             return None
+        record["copy_runs"] = int((dst[1:] - dst[:-1] != 1).sum()) + 1 if len(dst) else 0  # contiguous slot runs
         if in_place:
             viewed = ses.views.read_in_place(
                 st, src[k:num_tokens], torch.arange(rec.start + k, rec.start + num_tokens), rec.agent

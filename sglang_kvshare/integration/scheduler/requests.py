@@ -48,6 +48,7 @@ def admit(ses, req) -> Optional[ReqShareState]:
     if spec is None:
         return None
     ses.keep_memory_for_sharing()
+    ses.sort_free_slots()
     st = ReqShareState(spec=spec, method=get_method(spec.method), prompt_len=len(req.origin_input_ids))
     ses.requests[req.rid] = st
     family_of(st.method).admit(ses, req, st)

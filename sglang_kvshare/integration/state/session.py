@@ -18,6 +18,7 @@ from sglang_kvshare.correction import create_corrector
 from sglang_kvshare.correction.observer import Observer
 from sglang_kvshare.correction.pool import evict_lfu_oldest
 from sglang_kvshare.correction.tuning import TauController
+from sglang_kvshare.integration.cache.kv_io import keep_free_slots_sorted
 from sglang_kvshare.integration.cpu_shims import keep_freed_memory
 from sglang_kvshare.integration.state.anchor_pool_file import AnchorPoolFile
 from sglang_kvshare.integration.state.forward import ForwardState
@@ -233,6 +234,13 @@ class Session:
 
     def forget(self, req) -> Optional[ReqShareState]:
         return self.requests.pop(req.rid, None)
+
+    def sort_free_slots(self) -> None:
+        """Once, at the first annotated request: the KV allocator keeps its free slots sorted
+        (``cache.kv_io.keep_free_slots_sorted``), so that a corrected copy can take one
+        contiguous run of them. A server that never shares keeps SGLang's allocator as it is."""
+        if self.tree is not None:
+            keep_free_slots_sorted(self.tree.token_to_kv_pool_allocator)
 
     def keep_memory_for_sharing(self) -> None:
         """Once, at the first annotated request (``--kvshare-keep-freed-memory``, CPU): the
