@@ -209,7 +209,7 @@ def _read_with_leaf(ses, st, record, rec, src, delta, head: int, k: int, n: int,
     no leaves asked for, the pool holds the copy without evicting a source read again
     (``--kvshare-leaf-policy pressure``, ``_leaf_wanted``), the agent already has a leaf on these
     slots, or the segment's keys do not carry RoPE at one offset from its rows."""
-    leaf = _leaf_wanted(ses, st, k - head)
+    leaf = _leaf_wanted(ses, st, max(k - head, 0))
     if not leaf:
         if leaf is False:
             record["kept_as"] = "copy"

@@ -7,14 +7,14 @@
   another chunked request is unfinished (a chunk cut at a segment leaves chunk budget unused).
 - ``PrefillAdder.add_one_req``: after a cut, no further request joins the batch.
 - ``PrefillAdder.add_chunked_req``: each later chunk stops at the next segment to inject.
-
-A "segment start" here is where its sharing starts (``ReqShareState.share_at``): a correction
-method's head rows (``--kvshare-recompute-head``) are computed densely by the chunk before.
 - ``Scheduler._get_new_batch_prefill_raw``: before the adder is built, the chunked request's
   segment starting at its prefix is shared (``sharing.share_pending``: injected, corrected or
   planned for recomputation, so the adder's memory budget sees those slots), and the next one if
   it starts where that one, shared wholly, ended; after the batch is
   formed, every annotated request's computed tokens are counted.
+
+A "segment start" here is where its sharing starts (``ReqShareState.share_at``): a correction
+method's head rows (``--kvshare-recompute-head``) are computed densely by the chunk before.
 
 The stock code then treats the injected slots as prefix: it reads ``req_to_token[row,
 :prefix_len]`` and runs the next chunk over the remaining tokens only.
