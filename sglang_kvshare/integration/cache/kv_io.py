@@ -193,9 +193,9 @@ def contiguous_slots(tree, n: int) -> Optional[torch.Tensor]:
     """``n`` consecutive free KV slots, the first such run of the sorted free list (taken out of
     it, after SGLang's eviction made room for ``n``), or None: the allocator does not keep its
     free list sorted (``keep_free_slots_sorted``) or no run is that long. Attention reads a
-    run of slots in place and gathers the rest (``kernels.offset_attention``): a 2K-token copy
-    taken from the front of a free list in the order evictions left it was measured in many
-    short runs, its decode attention several times fullshared's."""
+    run of slots in place and gathers the rest (``kernels.offset_attention``), one attention
+    call per run: a profile of 2K-token copies taken from the front of a free list in the order
+    evictions left it had ~10x fullshared's samples in the per-run decode attention."""
     allocator = tree.token_to_kv_pool_allocator
     if n <= 0 or not getattr(allocator, "need_sort", False) or allocator.page_size != 1:
         return None
